@@ -1,0 +1,179 @@
+"""Compiling kernels and caching them in memory and on disk.
+
+The disk cache holds TVM-FFI object files, one per `KernelKey`, under a folder whose name is a
+fingerprint of everything that changes generated code: this package's kernel sources and the
+versions of nvidia-cutlass-dsl and apache-tvm-ffi. Writes are atomic (temp file + rename), so
+concurrent processes at worst compile the same kernel twice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+
+class KernelKey(NamedTuple):
+    dtype: str  # "float16" | "bfloat16"
+    head_dim: int
+    tile_m: int
+    tile_n: int
+    causal: bool
+    variant: str
+
+    def slug(self) -> str:
+        c = "causal" if self.causal else "full"
+        return f"{self.variant}_{self.dtype}_d{self.head_dim}_{self.tile_m}x{self.tile_n}_{c}"
+
+
+_memory: dict[KernelKey, Any] = {}
+_lock = threading.Lock()
+# Seconds spent on the last compile or disk load of each key (for `info` and `bench --profile`).
+timings: dict[KernelKey, tuple[str, float]] = {}
+
+
+def _fingerprint() -> str:
+    import cutlass
+    import tvm_ffi
+
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    h.update(str(getattr(cutlass, "__version__", "")).encode())
+    h.update(str(getattr(tvm_ffi, "__version__", "")).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: $HOPPER_FMHA_CACHE_DIR or ~/.cache/hopper_fmha, per fingerprint."""
+    root = os.environ.get("HOPPER_FMHA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hopper_fmha")
+    return Path(root) / _fingerprint()
+
+
+def _kernel_object(key: KernelKey):
+    import cutlass
+
+    from .sm90_paper import PaperFwdSm90
+
+    dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[key.dtype]
+    if key.variant != "paper":
+        raise ValueError(f"unknown kernel variant {key.variant!r}")
+    return PaperFwdSm90(dtype, key.head_dim, key.tile_m, key.tile_n, key.causal), dtype
+
+
+def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
+    """Compile-time stand-ins for (q, k, v, out, lse, scale, qhead_per_kvhead, stream).
+
+    Batch, sequence lengths and head counts are symbolic, so one compiled kernel serves them all;
+    strides are symbolic 64-bit values divisible by 8 elements (16 bytes, as TMA requires).
+    """
+    import cutlass
+    import cutlass.cute as cute
+
+    _, dtype = _kernel_object(key)
+    b, sq, sk, h, hkv = (cute.sym_int() for _ in range(5))
+    d = key.head_dim
+
+    def bshd(seqlen, heads):
+        stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
+        return cute.runtime.make_fake_tensor(dtype, (b, seqlen, heads, d), stride=stride, assumed_align=16)
+
+    q, k, v, o = bshd(sq, h), bshd(sk, hkv), bshd(sk, hkv), bshd(sq, h)
+    lse = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+    )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1), stream)
+
+
+def compile_kernel(key: KernelKey, *, tvm_ffi: bool = True, options: str = ""):
+    """Compile the kernel for `key` (no caching). Works without a GPU."""
+    import cutlass.cute as cute
+
+    kernel, _ = _kernel_object(key)
+    opts = " ".join(o for o in ("--enable-tvm-ffi" if tvm_ffi else "", options) if o)
+    return cute.compile(kernel, *fake_arguments(key, tvm_ffi=tvm_ffi), options=opts)
+
+
+_runtime_loaded = False
+
+
+def _load_runtime_libraries() -> None:
+    # Object files loaded from disk resolve CUDA-runtime symbols from the DSL's runtime libraries;
+    # those must be loaded with RTLD_GLOBAL first or dlopen reports undefined symbols.
+    global _runtime_loaded
+    if _runtime_loaded:
+        return
+    import cutlass.cute as cute
+
+    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        if Path(lib).exists():
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    _runtime_loaded = True
+
+
+def _load_from_disk(key: KernelKey, path: Path):
+    import cutlass.cute as cute
+
+    _load_runtime_libraries()
+    module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+    return getattr(module, key.slug())
+
+
+def _store_to_disk(key: KernelKey, fn, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".o", dir=path.parent)
+    os.close(fd)
+    try:
+        fn.export_to_c(tmp, function_name=key.slug())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def get_kernel(key: KernelKey):
+    """The launchable kernel for `key`: from memory, else from disk, else compiled (and saved)."""
+    fn = _memory.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _memory.get(key)
+        if fn is not None:
+            return fn
+        path = cache_dir() / f"{key.slug()}.o"
+        t0 = time.perf_counter()
+        fn = None
+        if path.exists():
+            try:
+                fn = _load_from_disk(key, path)
+                timings[key] = ("disk", time.perf_counter() - t0)
+            except Exception:  # a stale or truncated file: recompile and overwrite it
+                fn = None
+        if fn is None:
+            fn = compile_kernel(key)
+            timings[key] = ("compile", time.perf_counter() - t0)
+            try:
+                _store_to_disk(key, fn, path)
+            except OSError:
+                pass  # a read-only cache dir costs a recompile next process, nothing else
+        _memory[key] = fn
+        return fn
+
+
+def clear_cache(memory: bool = True, disk: bool = False) -> None:
+    """Forget compiled kernels (memory) and/or delete this fingerprint's object files (disk)."""
+    with _lock:
+        if memory:
+            _memory.clear()
+        if disk:
+            d = cache_dir()
+            if d.exists():
+                for f in d.glob("*.o"):
+                    f.unlink()

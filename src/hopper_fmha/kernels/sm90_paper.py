@@ -1,0 +1,483 @@
+"""The seed paper's kernel: FlashAttention-2 forward on Hopper, one warpgroup per CTA.
+
+Algorithm (the paper's Algorithm 2 with its COPY-GEMM overlap), per CTA = one tile of
+`tile_m` query rows of one (batch, head):
+
+    TMA Q, K_0 -> smem                                   (128B-swizzled, K-major, mbarriers)
+    for j in key tiles (ascending; unmasked tiles first, then the masked ones):
+        TMA V_j -> smem                                  (overlaps GEMM-I and the softmax)
+        S = Q K_j^T                                      SS-WGMMA, fp32 accumulators in registers
+        TMA K_{j+1} -> smem                              (overlaps the softmax and GEMM-II)
+        mask S (sequence tail, causal), online softmax   exp2 with log2(e)*scale folded in,
+                                                         quad shuffles for row max
+        O *= exp(m_old - m_new); P = fp16/bf16(S)        P stays in registers: the accumulator
+        O += P V_j                                       layout re-viewed as the A operand (RS-WGMMA)
+    O /= rowsum; LSE = m + log(rowsum); O -> smem -> TMA store; LSE -> gmem
+
+Warp roles: none. All 128 threads run the math; thread 0 also issues the TMA copies.
+Register use: fp32 S (tile_m*tile_n/128) and O (tile_m*d/128) accumulators per thread plus P;
+`hopper_fmha.config.check_fits` rejects tiles that cannot fit. Shared memory: one stage of Q,
+K and V; O reuses Q's buffer.
+
+Constraints: head_dim in {64, 128, 256}; fp16/bf16 in, fp32 accumulate; tile_m in {64, 128}
+(one warpgroup issues tile_m/64 WGMMA rows), tile_n in {64, 128}.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+NUM_THREADS = 128
+# Named barrier 0 is __syncthreads; the main loop uses its own id.
+BARRIER_MAINLOOP = 1
+
+
+def acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """Row/column view of an SM90 accumulator: ((2,2,V),MMA_M,MMA_N) -> ((2,MMA_M),(2,V,MMA_N)).
+
+    In the WGMMA accumulator a thread owns, per 64-row MMA block, rows r and r+8 (mode 0[1])
+    and column pairs spaced 8 apart (modes 0[0] and 0[2]).
+    """
+    flat = cute.make_layout(acc_layout.shape)
+    shape = ((flat.shape[0][1], flat.shape[1]), (flat.shape[0][0], flat.shape[0][2], flat.shape[2]))
+    stride = (
+        (flat.stride[0][1], flat.stride[1]),
+        (flat.stride[0][0], flat.stride[0][2], flat.stride[2]),
+    )
+    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+
+
+def acc_to_operand_a_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """The paper's ReshapeTStoTP: GEMM-I accumulator layout -> GEMM-II register-A layout.
+
+    ((2,2,V),MMA_M,1):((1,2,4),sM,_) -> ((2,2,2),MMA_M,V/2):((1,2,4),sM,8). A 64x16 A-operand
+    block takes two neighbouring 8-column groups of the 64xN accumulator, so the value mode
+    keeps its first two sub-modes, takes 2 of the V column groups, and the remaining V/2
+    groups become the K-block mode of GEMM-II. No data moves: it is a new view of the same
+    registers.
+    """
+    s = acc_layout.shape
+    d = acc_layout.stride
+    shape = ((s[0][0], s[0][1], 2), s[1], s[0][2] // 2)
+    stride = ((d[0][0], d[0][1], d[0][2]), d[1], d[0][2] * 2)
+    return cute.make_layout(shape, stride=stride)
+
+
+class PaperFwdSm90:
+    """Compile-time configuration of the paper kernel; `__call__` is the host-side launcher."""
+
+    def __init__(self, dtype, head_dim: int, tile_m: int, tile_n: int, causal: bool):
+        assert head_dim in (64, 128, 256)
+        assert tile_m in (64, 128) and tile_n in (64, 128)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.causal = causal
+
+    # ---------------------------------------------------------------- host side
+    def _tiled_mmas(self):
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(1, 1, 1),
+            tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(1, 1, 1),
+            tiler_mn=(64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        return tiled_mma_qk, tiled_mma_pv
+
+    def _smem_layout(self, rows: int):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim), self.dtype
+        )
+        return cute.tile_to_shape(atom, (rows, self.head_dim), order=(0, 1))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h, d)
+        mK: cute.Tensor,  # (b, s_k, h_kv, d)
+        mV: cute.Tensor,  # (b, s_k, h_kv, d)
+        mO: cute.Tensor,  # (b, s_q, h, d)
+        mLSE: cute.Tensor,  # (b, h, s_q) float32
+        softmax_scale: Float32,
+        qhead_per_kvhead: Int32,
+        stream: cuda.CUstream,
+    ):
+        # Sequence first, as the TMA tiles and WGMMA expect: (s, d, h, b) and LSE (s, h, b).
+        mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mO)]
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        sQ_layout = self._smem_layout(self.tile_m)
+        sK_layout = self._smem_layout(self.tile_n)
+        sV_layout = self._smem_layout(self.tile_n)
+
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (self.tile_m, self.head_dim))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, sK_layout, (self.tile_n, self.head_dim))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, sV_layout, (self.tile_n, self.head_dim))
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim)
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 3]  # Q, K, V "full" barriers
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tma_atom_Q,
+            tma_Q,
+            tma_atom_K,
+            tma_K,
+            tma_atom_V,
+            tma_V,
+            tma_atom_O,
+            tma_O,
+            mLSE,
+            softmax_scale * LOG2_E,
+            qhead_per_kvhead,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            SharedStorage,
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_atom_O: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        qhead_per_kvhead: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        head_kv = head // qhead_per_kvhead
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        is_tma_thread = tidx == 0
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        mbar_Q = storage.mbar.data_ptr()
+        mbar_K = mbar_Q + 1
+        mbar_V = mbar_Q + 2
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # V^T for GEMM-II: the paper's composition with a row-major (d, tile_n) layout.
+        sVt = cute.composition(sV, cute.make_ordered_layout((self.head_dim, self.tile_n), order=(1, 0)))
+
+        if is_tma_thread:
+            for tma_atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(tma_atom)
+            for i in cutlass.range_constexpr(3):
+                cute.arch.mbarrier_init(mbar_Q + i, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # gmem tiles of this CTA: Q/O by m_block; K/V indexed by key tile.
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)
+        bytes_KV = cute.size_in_bytes(self.dtype, sK_layout)
+
+        # Key tiles this query tile sees. Causal is bottom-right aligned: row i sees key
+        # j <= i + seqlen_k - seqlen_q. Tiles [0, n_unmasked) need no mask.
+        n_max = (seqlen_k + self.tile_n - 1) // self.tile_n
+        n_unmasked = seqlen_k // self.tile_n
+        if const_expr(self.causal):
+            first_row_limit = m_block * self.tile_m + seqlen_k - seqlen_q + 1  # keys < this: all rows see
+            last_row_limit = first_row_limit + self.tile_m - 1
+            n_max = cutlass.min(n_max, (cutlass.max(last_row_limit, 0) + self.tile_n - 1) // self.tile_n)
+            n_unmasked = cutlass.min(n_unmasked, cutlass.max(first_row_limit, 0) // self.tile_n)
+        n_unmasked = cutlass.min(n_unmasked, n_max)
+
+        if is_tma_thread:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_Q, bytes_Q)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=mbar_Q)
+            if n_max > 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_K, bytes_KV)
+                cute.copy(tma_atom_K, tKgK[None, 0], tKsK, tma_bar_ptr=mbar_K)
+
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
+        tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
+        acc_shape_S = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_O = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim)))
+        acc_O.fill(0.0)
+        acc_O_mn = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
+        rows_per_thread = cute.size(acc_O_mn, mode=[0])
+        row_max = cute.make_rmem_tensor((rows_per_thread,), Float32)
+        row_sum = cute.make_rmem_tensor((rows_per_thread,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        # Coordinates of this thread's S elements inside the tile, for masking.
+        tScS_mn = cute.make_tensor(
+            thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))).iterator,
+            acc_mn_layout(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))).layout),
+        )
+
+        cute.arch.mbarrier_wait(mbar_Q, 0)
+        for n_block in cutlass.range(n_unmasked, unroll=1):
+            self.step(
+                n_block, n_max, False, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O,
+                acc_O_mn, row_max, row_sum, tScS_mn, scale_log2, m_block, seqlen_q, seqlen_k,
+                tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV, mbar_K, mbar_V, bytes_KV, is_tma_thread,
+            )  # fmt: skip
+        for n_block in cutlass.range(n_unmasked, n_max, unroll=1):
+            self.step(
+                n_block, n_max, True, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O,
+                acc_O_mn, row_max, row_sum, tScS_mn, scale_log2, m_block, seqlen_q, seqlen_k,
+                tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV, mbar_K, mbar_V, bytes_KV, is_tma_thread,
+            )  # fmt: skip
+
+        self.epilogue(
+            acc_O, acc_O_mn, row_max, row_sum, scale_log2, sQ, tma_atom_O, mO, mLSE, tiled_mma_pv,
+            thr_mma_pv, tidx, m_block, head, batch, seqlen_q, is_tma_thread,
+        )  # fmt: skip
+
+    @cute.jit
+    def step(
+        self,
+        n_block: Int32,
+        n_max: Int32,
+        masked: cutlass.Constexpr[bool],
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrV: cute.Tensor,
+        acc_shape_S: cute.Shape,
+        acc_O: cute.Tensor,
+        acc_O_mn: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        tScS_mn: cute.Tensor,
+        scale_log2: Float32,
+        m_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        tma_atom_K: cute.CopyAtom,
+        tKgK: cute.Tensor,
+        tKsK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tVgV: cute.Tensor,
+        tVsV: cute.Tensor,
+        mbar_K: cute.Pointer,
+        mbar_V: cute.Pointer,
+        bytes_KV: cutlass.Constexpr[int],
+        is_tma_thread: cutlass.Boolean,
+    ):
+        """One iteration of the mainloop: the paper's COPY-GEMM overlap around both GEMMs."""
+        phase = n_block % 2
+        # sV is free: every thread finished the previous GEMM-II before the last barrier.
+        if is_tma_thread:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_V, bytes_KV)
+            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV, tma_bar_ptr=mbar_V)
+
+        # GEMM-I: S = Q K^T (SS-WGMMA).
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        cute.arch.mbarrier_wait(mbar_K, phase)
+        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True)
+
+        # sK is free once every thread's GEMM-I has completed: prefetch the next K tile.
+        cute.arch.barrier(barrier_id=BARRIER_MAINLOOP, number_of_threads=NUM_THREADS)
+        if is_tma_thread:
+            if n_block + 1 < n_max:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_K, bytes_KV)
+                cute.copy(tma_atom_K, tKgK[None, n_block + 1], tKsK, tma_bar_ptr=mbar_K)
+
+        # Online softmax on S, in registers.
+        acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+        if const_expr(masked):
+            self.apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k)
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            m_old = row_max[r]
+            m_new = m_old
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                m_new = cute.arch.fmax(m_new, acc_S_mn[r, c])
+            # A row is owned by a quad of 4 consecutive lanes: xor-shuffle reduce over it.
+            m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
+            m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
+            # A row that has seen no key yet keeps max -inf; exponentiate against 0 instead.
+            m_scaled = m_new * scale_log2
+            if m_new == -Float32.inf:
+                m_scaled = Float32(0.0)
+            rescale = cute.math.exp2(m_old * scale_log2 - m_scaled, fastmath=True)
+            row_max[r] = m_new
+            row_sum_new = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - m_scaled, fastmath=True)
+                acc_S_mn[r, c] = p
+                row_sum_new += p
+            row_sum[r] = row_sum[r] * rescale + row_sum_new
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * rescale
+
+        # P in registers, re-viewed from the accumulator layout into the A-operand layout.
+        tOrP_acc = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+        tOrP_acc.store(acc_S.load().to(self.dtype))
+        tOrP = cute.make_tensor(tOrP_acc.iterator, acc_to_operand_a_layout(acc_S.layout))
+
+        # GEMM-II: O += P V (RS-WGMMA).
+        cute.arch.mbarrier_wait(mbar_V, phase)
+        gemm(tiled_mma_pv, acc_O, tOrP, tOrV, zero_init=False)
+        # sV is free for the next iteration's load once every thread's GEMM-II has completed.
+        cute.arch.barrier(barrier_id=BARRIER_MAINLOOP, number_of_threads=NUM_THREADS)
+
+    @cute.jit
+    def apply_mask(
+        self,
+        acc_S_mn: cute.Tensor,
+        tScS_mn: cute.Tensor,
+        m_block: Int32,
+        n_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+    ):
+        """-inf outside the sequence (key tail) and above the bottom-right causal diagonal."""
+        col_limit_seq = seqlen_k - n_block * self.tile_n
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            col_limit = col_limit_seq
+            if const_expr(self.causal):
+                row = m_block * self.tile_m + tScS_mn[r, 0][0]
+                col_limit = cutlass.min(col_limit, row + seqlen_k - seqlen_q + 1 - n_block * self.tile_n)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                if tScS_mn[0, c][1] >= col_limit:
+                    acc_S_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        acc_O_mn: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        scale_log2: Float32,
+        sO: cute.Tensor,
+        tma_atom_O: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tiled_mma_pv: cute.TiledMma,
+        thr_mma_pv: cute.ThrMma,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        is_tma_thread: cutlass.Boolean,
+    ):
+        """O /= rowsum, LSE = (m * scale * log2 e + log2 rowsum) * ln 2; O via smem + TMA store."""
+        lse = cute.make_rmem_tensor((cute.size(row_sum),), Float32)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            total = row_sum[r]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            # A row that saw no key: O stays 0 and LSE is -inf.
+            inv = Float32(0.0)
+            lse[r] = -Float32.inf
+            if total > 0.0:
+                inv = cute.arch.rcp_approx(total)
+                lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * inv
+
+        # LSE: one lane per row quad writes (the lane holding column 0), rows inside the sequence.
+        cO = cute.make_identity_tensor((self.tile_m, self.head_dim))
+        tOcO_mn = cute.make_tensor(
+            thr_mma_pv.partition_C(cO).iterator, acc_mn_layout(thr_mma_pv.partition_C(cO).layout)
+        )
+        if tOcO_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        # O: registers -> smem (stmatrix, into Q's buffer, free since the last GEMM-I) -> TMA store.
+        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        smem_copy_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_pv,
+        ).get_slice(tidx)
+        cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BARRIER_MAINLOOP, number_of_threads=NUM_THREADS)
+        if is_tma_thread:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, zero_init: cutlass.Constexpr[bool]):
+    """Issue one warpgroup GEMM over all K blocks and wait for it (the paper's gemm_bar_wait)."""
+    warpgroup.fence()
+    # A fresh atom per call: ACCUMULATE is mutated below, which must not leak across loop regions.
+    mma_atom = cute.make_mma_atom(tiled_mma.op)
+    mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
