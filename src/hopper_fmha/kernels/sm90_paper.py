@@ -14,7 +14,7 @@ Algorithm (the paper's Algorithm 2 with its COPY-GEMM overlap), per CTA = one ti
         O += P V_j                                       layout re-viewed as the A operand (RS-WGMMA)
     O /= rowsum; LSE = m + log(rowsum); O -> smem -> TMA store; LSE -> gmem
 
-Warp roles: none. All 128 threads run the math; thread 0 also issues the TMA copies.
+Warp roles: none. All 128 threads run the math; warp 0 also issues the TMA copies.
 Register use: fp32 S (tile_m*tile_n/128) and O (tile_m*d/128) accumulators per thread plus P;
 `hopper_fmha.config.check_fits` rejects tiles that cannot fit. Shared memory: one stage of Q,
 K and V; O reuses Q's buffer.
@@ -198,7 +198,8 @@ class PaperFwdSm90:
         head_kv = head // qhead_per_kvhead
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        is_tma_thread = tidx == 0
+        # Warp 0 issues the TMA copies (the copy elects its own thread; barrier setup elects one).
+        is_tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -211,11 +212,12 @@ class PaperFwdSm90:
         # V^T for GEMM-II: the paper's composition with a row-major (d, tile_n) layout.
         sVt = cute.composition(sV, cute.make_ordered_layout((self.head_dim, self.tile_n), order=(1, 0)))
 
-        if is_tma_thread:
+        if is_tma_warp:
             for tma_atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(tma_atom)
-            for i in cutlass.range_constexpr(3):
-                cute.arch.mbarrier_init(mbar_Q + i, 1)
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(3):
+                    cute.arch.mbarrier_init(mbar_Q + i, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -246,11 +248,13 @@ class PaperFwdSm90:
             n_unmasked = cutlass.min(n_unmasked, cutlass.max(first_row_limit, 0) // self.tile_n)
         n_unmasked = cutlass.min(n_unmasked, n_max)
 
-        if is_tma_thread:
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_Q, bytes_Q)
+        if is_tma_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_Q, bytes_Q)
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=mbar_Q)
             if n_max > 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_K, bytes_KV)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_K, bytes_KV)
                 cute.copy(tma_atom_K, tKgK[None, 0], tKsK, tma_bar_ptr=mbar_K)
 
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
@@ -278,18 +282,18 @@ class PaperFwdSm90:
             self.step(
                 n_block, n_max, False, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O,
                 acc_O_mn, row_max, row_sum, tScS_mn, scale_log2, m_block, seqlen_q, seqlen_k,
-                tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV, mbar_K, mbar_V, bytes_KV, is_tma_thread,
+                tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV, mbar_K, mbar_V, bytes_KV, is_tma_warp,
             )  # fmt: skip
         for n_block in cutlass.range(n_unmasked, n_max, unroll=1):
             self.step(
                 n_block, n_max, True, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O,
                 acc_O_mn, row_max, row_sum, tScS_mn, scale_log2, m_block, seqlen_q, seqlen_k,
-                tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV, mbar_K, mbar_V, bytes_KV, is_tma_thread,
+                tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV, mbar_K, mbar_V, bytes_KV, is_tma_warp,
             )  # fmt: skip
 
         self.epilogue(
             acc_O, acc_O_mn, row_max, row_sum, scale_log2, sQ, tma_atom_O, mO, mLSE, tiled_mma_pv,
-            thr_mma_pv, tidx, m_block, head, batch, seqlen_q, is_tma_thread,
+            thr_mma_pv, tidx, m_block, head, batch, seqlen_q, is_tma_warp,
         )  # fmt: skip
 
     @cute.jit
@@ -322,13 +326,14 @@ class PaperFwdSm90:
         mbar_K: cute.Pointer,
         mbar_V: cute.Pointer,
         bytes_KV: cutlass.Constexpr[int],
-        is_tma_thread: cutlass.Boolean,
+        is_tma_warp: cutlass.Boolean,
     ):
         """One iteration of the mainloop: the paper's COPY-GEMM overlap around both GEMMs."""
         phase = n_block % 2
         # sV is free: every thread finished the previous GEMM-II before the last barrier.
-        if is_tma_thread:
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_V, bytes_KV)
+        if is_tma_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_V, bytes_KV)
             cute.copy(tma_atom_V, tVgV[None, n_block], tVsV, tma_bar_ptr=mbar_V)
 
         # GEMM-I: S = Q K^T (SS-WGMMA).
@@ -338,9 +343,10 @@ class PaperFwdSm90:
 
         # sK is free once every thread's GEMM-I has completed: prefetch the next K tile.
         cute.arch.barrier(barrier_id=BARRIER_MAINLOOP, number_of_threads=NUM_THREADS)
-        if is_tma_thread:
+        if is_tma_warp:
             if n_block + 1 < n_max:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_K, bytes_KV)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_K, bytes_KV)
                 cute.copy(tma_atom_K, tKgK[None, n_block + 1], tKsK, tma_bar_ptr=mbar_K)
 
         # Online softmax on S, in registers.
@@ -421,7 +427,7 @@ class PaperFwdSm90:
         head: Int32,
         batch: Int32,
         seqlen_q: Int32,
-        is_tma_thread: cutlass.Boolean,
+        is_tma_warp: cutlass.Boolean,
     ):
         """O /= rowsum, LSE = (m * scale * log2 e + log2 rowsum) * ln 2; O via smem + TMA store."""
         lse = cute.make_rmem_tensor((cute.size(row_sum),), Float32)
@@ -459,7 +465,7 @@ class PaperFwdSm90:
         cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BARRIER_MAINLOOP, number_of_threads=NUM_THREADS)
-        if is_tma_thread:
+        if is_tma_warp:
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
             tOsO, tOgO = cpasync.tma_partition(
                 tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)

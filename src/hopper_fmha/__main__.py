@@ -1,0 +1,5 @@
+import sys
+
+from hopper_fmha.cli import main
+
+sys.exit(main())

@@ -1,0 +1,19 @@
+"""The benchmark suite behind `hopper-fmha bench`: the only source of performance claims.
+
+flops     the one FLOP formula
+registry  backends by name (this package, SDPA flash/efficient/cuDNN, FA4, FA3) and `Problem`
+presets   the paper / sweep / tiles grids
+timing    CUDA-event timing of eager calls and CUDA-graph replays, input rotation, matmul rate
+runner    inputs, correctness check against the reference, one record per (problem, backend)
+report    JSON file, Markdown and terminal tables
+plots     PNG charts (matplotlib, optional)
+cli       the `bench` subcommand
+
+Nothing here imports torch, CUDA or the kernels until a run needs them.
+"""
+
+from hopper_fmha.bench.flops import attention_flops
+from hopper_fmha.bench.registry import Problem
+from hopper_fmha.bench.report import load_results, render_markdown
+
+__all__ = ["Problem", "attention_flops", "load_results", "render_markdown"]

@@ -1,0 +1,89 @@
+"""Named problem grids.
+
+paper: the seed paper's shape, B=4, N=4096, hidden 2048, fp16, d = 64/128/256, causal off and on.
+sweep: FlashAttention-3's grid, 16k tokens and hidden 2048 at every length: N = 512..16384 with
+       B = 16384/N and H = 2048/d, d = 64/128/256, causal off and on, fp16 and bf16.
+tiles: the seed paper's Table 1: every tile of PAPER_TILES at every head dim, paper shape,
+       non-causal fp16, this package only (tiles that do not fit are reported as rejected).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hopper_fmha.bench.registry import Problem
+
+HIDDEN = 2048
+TOKENS = 16384
+HEAD_DIMS = (64, 128, 256)
+SWEEP_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    problems: tuple[Problem, ...]
+    backends: tuple[str, ...] | None = None  # None: the default set (or --backends)
+
+
+def _problem(batch: int, seqlen: int, head_dim: int, causal: bool, dtype: str) -> Problem:
+    heads = HIDDEN // head_dim
+    return Problem(batch, seqlen, seqlen, heads, heads, head_dim, causal, dtype)
+
+
+def paper() -> Preset:
+    problems = [_problem(4, 4096, d, c, "float16") for d in HEAD_DIMS for c in (False, True)]
+    return Preset("paper", tuple(problems))
+
+
+def sweep() -> Preset:
+    problems = [
+        _problem(TOKENS // n, n, d, c, dtype)
+        for dtype in ("float16", "bfloat16")
+        for d in HEAD_DIMS
+        for c in (False, True)
+        for n in SWEEP_SEQLENS
+    ]
+    return Preset("sweep", tuple(problems))
+
+
+def tiles() -> Preset:
+    from hopper_fmha.config import PAPER_TILES, VARIANTS
+
+    problems = [_problem(4, 4096, d, False, "float16") for d in HEAD_DIMS]
+    backends = tuple(f"hopper-fmha:{v}@{m}x{n}" for v in VARIANTS for m, n in PAPER_TILES)
+    return Preset("tiles", tuple(problems), backends)
+
+
+PRESETS = {"paper": paper, "sweep": sweep, "tiles": tiles}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+def custom_problems(
+    batch: int | None,
+    seqlens: list[int],
+    seqlens_k: list[int] | None,
+    heads: int | None,
+    kv_heads: int | None,
+    head_dims: list[int],
+    causal: bool,
+    dtypes: list[str],
+) -> tuple[Problem, ...]:
+    """The grid given by free flags. Unset heads give hidden 2048 (H = 2048/d); an unset batch
+    gives 16k tokens (B = 16384/N, at least 1), as in the presets."""
+    if seqlens_k and len(seqlens_k) not in (1, len(seqlens)):
+        raise ValueError("--seqlen-k takes one value or as many as --seqlen")
+    out = []
+    for dtype in dtypes:
+        for d in head_dims:
+            for i, n in enumerate(seqlens):
+                nk = (seqlens_k[i] if len(seqlens_k) > 1 else seqlens_k[0]) if seqlens_k else n
+                h = heads if heads is not None else max(1, HIDDEN // d)
+                b = batch if batch is not None else max(1, TOKENS // n)
+                out.append(Problem(b, n, nk, h, kv_heads if kv_heads is not None else h, d, causal, dtype))
+    return tuple(out)

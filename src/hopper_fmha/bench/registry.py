@@ -1,0 +1,229 @@
+"""Backends the bench can time, by name, and the problem they are timed on.
+
+A backend turns a `Problem` and one set of input tensors (q, k, v in BSHD) into a
+zero-argument callable that runs one attention forward. Anything that keeps a backend from
+running a problem (an import that fails, a head dim it lacks, a tile that does not fit) is a
+`BackendSkip` with the reason, and the bench reports it instead of failing.
+
+Names: `hopper-fmha` (every variant), `hopper-fmha:<variant>`, `hopper-fmha:<variant>@<M>x<N>`
+(tile override), `sdpa-flash` (FlashAttention-2 in PyTorch), `sdpa-efficient` (the CUTLASS
+memory-efficient kernel, the seed paper's "CUTLASS" baseline), `sdpa-cudnn`, `fa4`
+(FlashAttention-4, CuTe DSL), `fa3` (FlashAttention-3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hopper_fmha.bench.flops import attention_flops
+
+DTYPES = ("float16", "bfloat16")
+_DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+_DTYPE_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def canonical_dtype(name: str) -> str:
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} (or fp16/bf16), got {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class Problem:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool = False
+    dtype: str = "float16"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        for field in ("batch", "seqlen_q", "seqlen_k", "heads", "kv_heads", "head_dim"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(
+            self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim, self.causal
+        )
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of q, k, v and the output: what one call reads and writes."""
+        q_like = self.batch * self.seqlen_q * self.heads * self.head_dim
+        kv = self.batch * self.seqlen_k * self.kv_heads * self.head_dim
+        return 2 * (2 * q_like + 2 * kv)
+
+    def label(self) -> str:
+        seq = (
+            f"N{self.seqlen_q}" if self.seqlen_q == self.seqlen_k else f"Nq{self.seqlen_q} Nk{self.seqlen_k}"
+        )
+        heads = f"H{self.heads}" if self.kv_heads == self.heads else f"H{self.heads}/{self.kv_heads}"
+        causal = " causal" if self.causal else ""
+        return f"B{self.batch} {seq} {heads} d{self.head_dim} {_DTYPE_SHORT[self.dtype]}{causal}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Problem:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+class BackendSkip(Exception):
+    """A backend cannot run a problem; `status` is "skipped" or "rejected" (config refused)."""
+
+    def __init__(self, reason: str, status: str = "skipped"):
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+Builder = Callable[[Problem, Any, Any, Any], Callable[[], Any]]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    label: str  # short column title
+    build: Builder
+    layout: str = "bshd"  # layout of what the callable returns: "bshd" or "bhsd"
+    ours: bool = False
+    # Entered around everything the bench does with this backend (e.g. SDPA backend choice),
+    # so that per-call host overhead is the call's own.
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def _sdpa_backend(attr: str) -> tuple[Builder, Callable[[], contextlib.AbstractContextManager]]:
+    def context():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(getattr(SDPBackend, attr))
+
+    def build(p: Problem, q, k, v):
+        import torch.nn.functional as F
+
+        if p.causal and p.seqlen_q != p.seqlen_k:
+            raise BackendSkip(
+                "SDPA's causal mask is top-left aligned, this package's is bottom-right: "
+                "they differ when seqlen_q != seqlen_k"
+            )
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        kwargs = {"is_causal": p.causal}
+        if p.kv_heads != p.heads:
+            kwargs["enable_gqa"] = True
+        return lambda: F.scaled_dot_product_attention(qt, kt, vt, **kwargs)
+
+    return build, context
+
+
+def _import_skip(module: str, attr: str):
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception as e:  # ImportError, or a broken install raising anything at import
+        raise BackendSkip(f"{module}.{attr} not importable ({type(e).__name__}: {e})") from e
+
+
+def _build_fa4(p: Problem, q, k, v):
+    fn = _import_skip("flash_attn.cute", "flash_attn_func")
+    return lambda: fn(q, k, v, causal=p.causal)  # returns out or (out, lse) by version
+
+
+def _build_fa3(p: Problem, q, k, v):
+    fn = _import_skip("flash_attn_interface", "flash_attn_func")
+    return lambda: fn(q, k, v, causal=p.causal)
+
+
+def parse_tile(text: str) -> tuple[int, int]:
+    """ "128x64" -> (128, 64)."""
+    try:
+        m, n = text.lower().split("x")
+        return int(m), int(n)
+    except ValueError:
+        raise ValueError(f"tile must look like 128x64 (tile_m x tile_n), got {text!r}") from None
+
+
+def _ours(variant: str, tile: tuple[int, int] | None) -> Backend:
+    def build(p: Problem, q, k, v):
+        try:
+            from hopper_fmha.config import select_config
+        except Exception as e:
+            raise BackendSkip(f"hopper_fmha.config not importable ({type(e).__name__}: {e})") from e
+        try:
+            select_config(p.head_dim, variant, tile)
+        except ValueError as e:
+            raise BackendSkip(f"rejected: {e}", status="rejected") from e
+        fn = _import_skip("hopper_fmha", "flash_attn_func")
+        return lambda: fn(q, k, v, causal=p.causal, variant=variant, tile=tile)
+
+    name = f"hopper-fmha:{variant}" + (f"@{tile[0]}x{tile[1]}" if tile else "")
+    return Backend(name=name, label=name, build=build, ours=True)
+
+
+def _peers() -> dict[str, Backend]:
+    peers = {}
+    for name, label, attr in (
+        ("sdpa-flash", "FA2", "FLASH_ATTENTION"),
+        ("sdpa-efficient", "mem-eff", "EFFICIENT_ATTENTION"),
+        ("sdpa-cudnn", "cuDNN", "CUDNN_ATTENTION"),
+    ):
+        build, context = _sdpa_backend(attr)
+        peers[name] = Backend(name=name, label=label, build=build, layout="bhsd", context=context)
+    peers["fa4"] = Backend(name="fa4", label="FA4", build=_build_fa4)
+    peers["fa3"] = Backend(name="fa3", label="FA3", build=_build_fa3)
+    return peers
+
+
+# Backends by name; tests register fakes here.
+REGISTRY: dict[str, Backend] = _peers()
+ALIASES = {"fa2": "sdpa-flash", "flash": "sdpa-flash", "efficient": "sdpa-efficient",
+           "cutlass": "sdpa-efficient", "cudnn": "sdpa-cudnn"}  # fmt: skip
+DEFAULT_BACKENDS = ("hopper-fmha", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "fa4", "fa3")
+# The reference points of every report: FA2 (what the seed paper compares with) and the best
+# of the state of the art.
+FA2 = "sdpa-flash"
+BEST_PEERS = ("sdpa-cudnn", "fa4", "fa3")
+
+
+def _variants() -> tuple[str, ...]:
+    from hopper_fmha.config import VARIANTS
+
+    return tuple(VARIANTS)
+
+
+def get_backend(name: str) -> list[Backend]:
+    """The backend(s) a name stands for; `hopper-fmha` alone expands to every variant."""
+    name = ALIASES.get(name, name)
+    if name in REGISTRY:
+        return [REGISTRY[name]]
+    if name == "hopper-fmha":
+        return [_ours(v, None) for v in _variants()]
+    if name.startswith("hopper-fmha:"):
+        spec = name.removeprefix("hopper-fmha:")
+        variant, _, tile_text = spec.partition("@")
+        if variant not in _variants():
+            raise ValueError(f"unknown hopper-fmha variant {variant!r} in {name!r}; variants: {_variants()}")
+        return [_ours(variant, parse_tile(tile_text) if tile_text else None)]
+    known = sorted(set(REGISTRY) | set(ALIASES)) + ["hopper-fmha", "hopper-fmha:<variant>[@MxN]"]
+    raise ValueError(f"unknown backend {name!r}; known: {', '.join(known)}")
+
+
+def resolve_backends(names: Sequence[str]) -> list[Backend]:
+    """Backends for a list of names, in order, without duplicates."""
+    out: dict[str, Backend] = {}
+    for name in names:
+        for b in get_backend(name.strip()):
+            out.setdefault(b.name, b)
+    return list(out.values())

@@ -1,0 +1,197 @@
+"""Public API: `flash_attn_func`, its argument validation, and the `hopper_fmha::fwd` custom op.
+
+Host path per call: validate (metadata only) -> select the kernel config (cached) -> custom op ->
+conform strides (copy only if needed) -> allocate out/lse -> `hopper_fmha.kernels.forward`.
+The op is a `torch.library.custom_op` with a fake implementation, so `torch.compile` can trace
+through it; everything that needs real storage (data_ptr alignment, the launch) happens inside it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from hopper_fmha import config
+
+_DTYPES = (torch.float16, torch.bfloat16)
+# TMA needs 16-byte aligned base addresses and 16-byte multiples for all strides but the last.
+_ALIGN_BYTES = 16
+_STRIDE_MULTIPLE = 8  # elements: 16 bytes of fp16/bf16
+
+# Device indices already checked to be Hopper (the query costs a driver call).
+_HOPPER_DEVICES: set[int] = set()
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    return_lse: bool = False,
+    *,
+    variant: str | None = None,
+    tile: tuple[int, int] | None = None,
+):
+    """Fused attention forward on a Hopper GPU: softmax(softmax_scale * q k^T) v.
+
+    Args:
+        q: (batch, seqlen_q, heads, head_dim), float16 or bfloat16, CUDA (sm_90).
+        k, v: (batch, seqlen_k, kv_heads, head_dim), same dtype and device as q. kv_heads may
+            divide heads (GQA/MQA): q head h uses kv head h // (heads // kv_heads).
+        softmax_scale: finite float > 0; None means 1/sqrt(head_dim).
+        causal: if True, query row i sees key j iff j <= i + seqlen_k - seqlen_q (the mask is
+            aligned to the bottom-right corner, as in FlashAttention >= 2.1).
+        return_lse: also return the log-sum-exp of the scaled scores.
+        variant: kernel variant (see `hopper_fmha.config.VARIANTS`); None means the default.
+        tile: optional (tile_m, tile_n) override of the tile table, for tests and benchmarks.
+
+    Returns:
+        out: same shape and dtype as q, contiguous. With return_lse, (out, lse) where lse is
+        (batch, heads, seqlen_q) float32, natural log. A query row that sees no key gives
+        out = 0 and lse = -inf.
+
+    The last dim of q, k, v must be contiguous, the other strides multiples of 8 elements and the
+    data 16-byte aligned; non-conforming strides are copied (a contiguous copy is made), not
+    rejected. Raises TypeError/ValueError for bad arguments (all checked before the device) and
+    RuntimeError when the tensors are not on one CUDA device of compute capability 9.x.
+    """
+    scale, cfg = _validate(q, k, v, softmax_scale, causal, variant, tile)
+    _check_device(q, k, v)
+    out, lse = torch.ops.hopper_fmha.fwd(q, k, v, scale, causal, cfg.variant, cfg.tile_m, cfg.tile_n)
+    return (out, lse) if return_lse else out
+
+
+def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, config.KernelConfig]:
+    """Every rule that needs no GPU; returns the resolved softmax scale and kernel config."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have rank 4 (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
+            )
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    batch, _, heads, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"q, k, v must have the same batch size, got {batch}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape (batch, seqlen_k, kv_heads, head_dim), "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if k.shape[3] != head_dim:
+        raise ValueError(f"q and k/v must have the same head_dim, got {head_dim} and {k.shape[3]}")
+    kv_heads = k.shape[2]
+    if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads != 0):
+        raise ValueError(
+            f"heads of q must be a multiple of the kv heads of k/v, got heads={heads}, kv_heads={kv_heads}"
+        )
+    if head_dim not in config.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {config.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if softmax_scale is None:
+        scale = config.default_softmax_scale(head_dim)
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(
+                f"softmax_scale must be None or a float, got {type(softmax_scale).__name__} {softmax_scale!r}"
+            )
+        scale = float(softmax_scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if variant is None:
+        variant = config.DEFAULT_VARIANT
+    elif not isinstance(variant, str):
+        raise ValueError(f"variant must be one of {config.VARIANTS}, got {variant!r}")
+    if tile is not None:
+        if not isinstance(tile, (tuple, list)):
+            raise ValueError(f"tile must be a pair of ints (tile_m, tile_n), got {tile!r}")
+        tile = tuple(tile)
+    # Under torch.compile, call the uncached function: dynamo traces through lru_cache anyway
+    # and warns about it on every compile.
+    select = config.select_config.__wrapped__ if torch.compiler.is_compiling() else config.select_config
+    return scale, select(head_dim, variant, tile)
+
+
+def _check_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The GPU rules, checked after all the others: one CUDA device, and it is a Hopper."""
+    if not (q.device == k.device == v.device):
+        raise RuntimeError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type != "cuda":
+        raise RuntimeError(f"q, k, v must be CUDA tensors, got device {q.device}")
+    _check_arch(q.device)
+
+
+def _check_arch(device: torch.device) -> None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _HOPPER_DEVICES:
+        return
+    major, minor = torch.cuda.get_device_capability(index)
+    if major != 9:
+        raise RuntimeError(
+            f"hopper_fmha kernels need a Hopper GPU (sm_90, compute capability 9.x); "
+            f"{device} is {torch.cuda.get_device_name(index)} with compute capability {major}.{minor}"
+        )
+    _HOPPER_DEVICES.add(index)
+
+
+def _conforming(t: torch.Tensor) -> torch.Tensor:
+    """t itself if its layout is what the kernel's TMA descriptors accept, else a contiguous copy."""
+    strides = t.stride()
+    if (
+        strides[-1] == 1
+        and t.data_ptr() % _ALIGN_BYTES == 0
+        and all(s > 0 and s % _STRIDE_MULTIPLE == 0 for s in strides[:-1])
+    ):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _launch(q, k, v, out, lse, softmax_scale, causal, cfg) -> None:
+    from hopper_fmha import kernels
+
+    kernels.forward(q, k, v, out, lse, softmax_scale, causal, cfg)
+
+
+def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seqlen_q, heads, _ = q.shape
+    # Contiguous whatever q's strides: the fake implementation cannot see data_ptr alignment,
+    # so out's layout must not depend on whether q gets copied.
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+@torch.library.custom_op("hopper_fmha::fwd", mutates_args=())
+def _fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    variant: str,
+    tile_m: int,
+    tile_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _empty_outputs(q)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:
+        # No key is visible to any query row.
+        return out.zero_(), lse.fill_(-math.inf)
+    cfg = config.select_config(q.shape[3], variant, (tile_m, tile_n))
+    q, k, v = _conforming(q), _conforming(k), _conforming(v)
+    _launch(q, k, v, out, lse, softmax_scale, causal, cfg)
+    return out, lse
+
+
+@_fwd.register_fake
+def _(q, k, v, softmax_scale, causal, variant, tile_m, tile_n):
+    return _empty_outputs(q)

@@ -1,0 +1,61 @@
+"""Test tiers (markers in pyproject.toml): cpu runs anywhere, compile needs the CuTe DSL, gpu a Hopper.
+
+Plain `pytest` runs every tier the machine can and skips the rest with the reason.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+
+def _hopper_present() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+HOPPER = _hopper_present()
+if not torch.cuda.is_available():
+    # The DSL snapshots its environment at import: the target must be set before `import cutlass`
+    # so that kernels compile for sm_90a on a machine with no GPU to query.
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+
+def _gpu_skip_reason() -> str:
+    if not torch.cuda.is_available():
+        return "needs a Hopper GPU (sm_90); no CUDA GPU found"
+    major, minor = torch.cuda.get_device_capability()
+    return f"needs a Hopper GPU (sm_90); found {torch.cuda.get_device_name()} (sm_{major}{minor})"
+
+
+def _cutlass_missing() -> str | None:
+    if importlib.util.find_spec("cutlass") is None:
+        return "needs the CuTe DSL (pip install nvidia-cutlass-dsl); `cutlass` not found"
+    try:
+        import cutlass  # noqa: F401
+    except Exception as e:  # an installed but broken DSL must skip with its reason, not error
+        return f"needs the CuTe DSL; `import cutlass` failed: {type(e).__name__}: {e}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not HOPPER:
+        skip_gpu = pytest.mark.skip(reason=_gpu_skip_reason())
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    if any("compile" in item.keywords for item in items):
+        reason = _cutlass_missing()
+        if reason is not None:
+            skip_compile = pytest.mark.skip(reason=reason)
+            for item in items:
+                if "compile" in item.keywords:
+                    item.add_marker(skip_compile)
+
+
+@pytest.fixture
+def hopper_gpu() -> torch.device:
+    """The CUDA device of a Hopper GPU; skips the test on any other machine."""
+    if not HOPPER:
+        pytest.skip(_gpu_skip_reason())
+    return torch.device("cuda", torch.cuda.current_device())

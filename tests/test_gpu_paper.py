@@ -1,0 +1,118 @@
+"""GPU correctness of the paper kernel: the full matrix of the kernel issue.
+
+Rule (FlashAttention's, in spirit): against an fp32 reference, our error may be at most twice the
+error of PyTorch computing the same attention in the input dtype, plus a small floor (which only
+matters where PyTorch happens to be exact, e.g. a single key). Outputs are poisoned with NaN
+before each call, so an unwritten element fails the finiteness check.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hopper_fmha import config
+from hopper_fmha.reference import reference
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128, 256]
+# Why each shape: (1,1) one key; (3,3) a tiny tail tile; (64,128) exact tiles, more keys than
+# queries; (113,203) and (128,217) tails on both sides; (239,1) many queries, one key (causal:
+# most rows see nothing); (799,3) causal rows with no key and a 3-key tail; (1023,1024) one row
+# short of a tile; (4224,4224) many tiles, 4224 = 33*128 is no multiple of 256.
+SEQLENS = [(1, 1), (3, 3), (64, 128), (113, 203), (128, 217), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
+HEADS = {"mha": (6, 6), "gqa": (6, 2), "mqa": (6, 1)}
+OUT_FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+LSE_FLOOR = 1e-4
+
+
+def torch_same_dtype(q, k, v, scale, causal):
+    """PyTorch attention computed in the input dtype (scores, softmax output and P·V in fp16/bf16)."""
+    group = q.shape[2] // k.shape[2]
+    kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    sq, sk = q.shape[1], k.shape[1]
+    if causal:
+        hidden = torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
+        s = s.masked_fill(hidden, -math.inf)
+    lse = torch.logsumexp(s.float(), dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, vv), lse
+
+
+def run_kernel(q, k, v, scale, causal, cfg):
+    from hopper_fmha import kernels
+
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan, device=q.device, dtype=torch.float32)
+    kernels.forward(q, k, v, out, lse, scale, causal, cfg)
+    return out, lse
+
+
+def assert_close_to_reference(q, k, v, scale, causal, out, lse):
+    ref_out, ref_lse = reference(q, k, v, softmax_scale=scale, causal=causal)
+    base_out, base_lse = torch_same_dtype(q, k, v, scale, causal)
+    assert torch.isfinite(out).all(), "output has NaN/inf: some element was not written"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "lse is -inf exactly where a row sees no key"
+    assert not torch.isnan(lse).any(), "lse has NaN: some element was not written"
+    err_out = (out.float() - ref_out).abs().max().item()
+    tol_out = 2 * (base_out.float() - ref_out).abs().max().item() + OUT_FLOOR[q.dtype]
+    assert err_out <= tol_out, f"out error {err_out:.3g} > {tol_out:.3g}"
+    if (~empty).any():
+        err_lse = (lse - ref_lse)[~empty].abs().max().item()
+        tol_lse = 2 * (base_lse - ref_lse)[~empty].abs().max().item() + LSE_FLOOR
+        assert err_lse <= tol_lse, f"lse error {err_lse:.3g} > {tol_lse:.3g}"
+
+
+def make_inputs(batch, sq, sk, heads, kv_heads, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, sq, heads, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(batch, sk, kv_heads, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(batch, sk, kv_heads, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("tile", config.PAPER_TILES, ids=[f"{m}x{n}" for m, n in config.PAPER_TILES])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_paper_kernel_matrix(hopper_gpu, dtype, d, causal, tile, seqlens, heads):
+    if tile not in config.fitting_tiles(d):
+        with pytest.raises(ValueError, match="registers|shared memory"):
+            config.select_config(d, "paper", tile)
+        return
+    cfg = config.select_config(d, "paper", tile)
+    sq, sk = seqlens
+    h, hkv = HEADS[heads]
+    q, k, v = make_inputs(2, sq, sk, h, hkv, d, dtype, seed=hash((d, causal, tile, seqlens, heads)) % 2**31)
+    scale = config.default_softmax_scale(d)
+    out, lse = run_kernel(q, k, v, scale, causal, cfg)
+    assert_close_to_reference(q, k, v, scale, causal, out, lse)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_public_api_runs_the_kernel(hopper_gpu, causal):
+    import hopper_fmha
+
+    q, k, v = make_inputs(2, 300, 517, 8, 2, 128, torch.bfloat16, seed=7)
+    out, lse = hopper_fmha.flash_attn_func(q, k, v, softmax_scale=0.05, causal=causal, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (2, 8, 300) and lse.dtype == torch.float32
+    assert_close_to_reference(q, k, v, 0.05, causal, out, lse)
+
+
+def test_strided_inputs(hopper_gpu):
+    """Non-contiguous q/k/v views (a packed qkv tensor) run through the strided TMA path."""
+    import hopper_fmha
+
+    qkv = torch.randn(2, 333, 3, 4, 64, device="cuda", dtype=torch.float16)
+    q, k, v = qkv.unbind(dim=2)
+    out, lse = hopper_fmha.flash_attn_func(q, k, v, return_lse=True)
+    assert_close_to_reference(q, k, v, config.default_softmax_scale(64), False, out, lse)

@@ -1,0 +1,271 @@
+"""flash_attn_func's argument rules, one test per rule, all on CPU tensors.
+
+Every rule except the device ones is checked before the device, so CPU tensors reach each rule.
+The plumbing tests replace the device check and the kernel launch with CPU stand-ins to run the
+custom op, the stride conformance and the empty-input paths without a GPU.
+"""
+
+import math
+
+import pytest
+import torch
+
+from hopper_fmha import flash_attn_func, interface
+from hopper_fmha.config import select_config
+from hopper_fmha.reference import reference
+
+pytestmark = pytest.mark.cpu
+
+
+def qkv(batch=2, seqlen_q=5, seqlen_k=7, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, seqlen_k, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, seqlen_k, kv_heads, head_dim, generator=g).to(dtype)
+    return q, k, v
+
+
+@pytest.fixture
+def cpu_kernel(monkeypatch):
+    """Run on CPU: skip the device check and launch a reference-based stand-in for the kernel.
+
+    The stand-in asserts the kernel's input contract and records every launch.
+    """
+    launches = []
+
+    def fake_launch(q, k, v, out, lse, softmax_scale, causal, cfg):
+        for t in (q, k, v):
+            assert t.stride(-1) == 1
+            assert all(s > 0 and s % 8 == 0 for s in t.stride()[:-1])
+            assert t.data_ptr() % 16 == 0
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+        o, l = reference(q, k, v, softmax_scale, causal)
+        out.copy_(o)
+        lse.copy_(l)
+        launches.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, cfg=cfg))
+
+    monkeypatch.setattr(interface, "_check_device", lambda q, k, v: None)
+    monkeypatch.setattr(interface, "_launch", fake_launch)
+    return launches
+
+
+# ---- argument rules, in the order they are checked ----
+
+
+def test_arguments_must_be_tensors():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"k must be a torch.Tensor, got ndarray"):
+        flash_attn_func(q, k.numpy(), v)
+
+
+def test_rank_4():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q must have rank 4.*got shape \(5, 4, 64\)"):
+        flash_attn_func(q[0], k, v)
+
+
+def test_dtype_fp16_or_bf16():
+    q, k, v = qkv(dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"float16 or bfloat16, got torch.float32"):
+        flash_attn_func(q, k, v)
+
+
+def test_dtypes_equal():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"same dtype, got torch.float16, torch.bfloat16, torch.float16"):
+        flash_attn_func(q, k.bfloat16(), v)
+
+
+def test_batch_equal():
+    q, k, v = qkv(batch=2)
+    with pytest.raises(ValueError, match=r"same batch size, got 2, 1, 1"):
+        flash_attn_func(q, k[:1], v[:1])
+
+
+def test_k_v_shapes_equal():
+    q, k, v = qkv(seqlen_k=7)
+    with pytest.raises(
+        ValueError, match=r"k and v must have the same shape.*\(2, 7, 2, 64\) and \(2, 6, 2, 64\)"
+    ):
+        flash_attn_func(q, k, v[:, :6])
+
+
+def test_head_dim_equal():
+    q, _, _ = qkv(head_dim=64)
+    _, k, v = qkv(head_dim=128)
+    with pytest.raises(ValueError, match=r"same head_dim, got 64 and 128"):
+        flash_attn_func(q, k, v)
+
+
+def test_heads_multiple_of_kv_heads():
+    q, k, v = qkv(heads=4, kv_heads=3)
+    with pytest.raises(ValueError, match=r"multiple of the kv heads.*heads=4, kv_heads=3"):
+        flash_attn_func(q, k, v)
+
+
+def test_head_dim_supported():
+    q, k, v = qkv(head_dim=96)
+    with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 128, 256\), got 96"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("scale", [True, "0.1"])
+def test_softmax_scale_type(scale):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"softmax_scale must be None or a float"):
+        flash_attn_func(q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, 0.0, -0.125])
+def test_softmax_scale_finite_positive(scale):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=rf"softmax_scale must be finite and > 0, got {scale!r}"):
+        flash_attn_func(q, k, v, softmax_scale=scale)
+
+
+def test_causal_bool():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"causal must be a bool, got int 1"):
+        flash_attn_func(q, k, v, causal=1)
+
+
+def test_tile_rejected_by_config():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"tile 32x32 is not a paper-variant tile"):
+        flash_attn_func(q, k, v, tile=(32, 32))
+
+
+def test_tile_not_a_pair():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"tile must be a pair of ints.*got 128"):
+        flash_attn_func(q, k, v, tile=128)
+
+
+def test_variant_rejected_by_config():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"variant must be one of .*got 'fa3'"):
+        flash_attn_func(q, k, v, variant="fa3")
+
+
+# ---- device rules, checked last ----
+
+
+def test_same_device():
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match=r"same device, got cpu, meta, cpu"):
+        flash_attn_func(q, k.to("meta"), v)
+
+
+def test_cuda_tensors():
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match=r"must be CUDA tensors, got device cpu"):
+        flash_attn_func(q, k, v)
+
+
+def test_hopper_arch(monkeypatch):
+    monkeypatch.setattr(interface, "_HOPPER_DEVICES", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(RuntimeError, match=r"sm_90.*NVIDIA A100-SXM4-80GB with compute capability 8.0"):
+        interface._check_arch(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    interface._check_arch(torch.device("cuda", 0))
+    assert interface._HOPPER_DEVICES == {0}
+
+
+# ---- what reaches the kernel, and what comes back ----
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_outputs_and_launch_arguments(cpu_kernel, causal):
+    q, k, v = qkv()
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+    ref_out, ref_lse = reference(q, k, v, causal=causal)
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    (launch,) = cpu_kernel
+    assert launch["softmax_scale"] == 64**-0.5 and launch["causal"] is causal
+    assert launch["cfg"] == select_config(64)  # the table's config for head_dim 64
+    assert launch["q"] is q  # conforming inputs are passed through, not copied
+    assert torch.equal(flash_attn_func(q, k, v, causal=causal), out)
+
+
+def test_tile_and_scale_reach_kernel(cpu_kernel):
+    q, k, v = qkv()
+    flash_attn_func(q, k, v, softmax_scale=0.5, tile=[64, 64])
+    assert cpu_kernel[0]["softmax_scale"] == 0.5 and cpu_kernel[0]["cfg"].tile == (64, 64)
+
+
+def _misaligned(t):
+    """t's values in a buffer whose data starts 2 bytes past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("arg", [0, 1, 2], ids=["q", "k", "v"])
+@pytest.mark.parametrize(
+    "make,conforming",
+    [
+        # A view at a 1-row offset: strides and alignment conform, so no copy is made.
+        pytest.param(lambda t: torch.cat([t[:, :1], t], dim=1).narrow(1, 1, t.shape[1]), True, id="view"),
+        pytest.param(lambda t: t.transpose(1, 3).contiguous().transpose(1, 3), False, id="last-dim-strided"),
+        pytest.param(
+            lambda t: torch.nn.functional.pad(t, (0, 4)).narrow(3, 0, 64), False, id="head-stride-68"
+        ),
+        pytest.param(_misaligned, False, id="misaligned-data"),
+    ],
+)
+def test_non_conforming_strides_are_copied(cpu_kernel, arg, make, conforming):
+    inputs = list(qkv())
+    expected = reference(*inputs)[0].to(torch.float16)
+    inputs[arg] = make(inputs[arg])
+    out = flash_attn_func(*inputs)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    passed = cpu_kernel[0]["qkv"[arg]]
+    assert torch.equal(passed, inputs[arg])
+    assert (passed is inputs[arg]) == conforming
+
+
+@pytest.mark.parametrize(
+    "batch,seqlen_q,heads,kv_heads",
+    [(0, 5, 4, 2), (2, 0, 4, 2), (2, 5, 0, 2)],
+    ids=["batch-0", "seqlen_q-0", "heads-0"],
+)
+def test_empty_inputs_give_empty_outputs(cpu_kernel, batch, seqlen_q, heads, kv_heads):
+    q, k, v = qkv(batch=batch, seqlen_q=seqlen_q, heads=heads, kv_heads=kv_heads)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (batch, heads, seqlen_q)
+    assert cpu_kernel == []
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_keys_give_zero_out_and_minus_inf_lse(cpu_kernel, causal):
+    q, k, v = qkv(seqlen_k=0)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(q))
+    assert torch.equal(lse, torch.full((2, 4, 5), -math.inf))
+    assert cpu_kernel == []
+
+
+def test_torch_compile_traces_the_op(cpu_kernel):
+    # aot_eager traces through the fake implementation without needing a C++ compiler.
+    q, k, v = qkv()
+    compiled = torch.compile(
+        lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True), backend="aot_eager"
+    )
+    out, lse = compiled(q, k, v)
+    ref_out, ref_lse = reference(q, k, v, causal=True)
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
+def test_fake_matches_real_metadata():
+    q, k, v = qkv()
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        out, lse = torch.ops.hopper_fmha.fwd(fq, fk, fv, 0.125, False, "paper", 128, 64)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
+    assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
