@@ -59,3 +59,22 @@ def hopper_gpu() -> torch.device:
     if not HOPPER:
         pytest.skip(_gpu_skip_reason())
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The compile tier's kernels: registers per thread and stack as ptxas reported them."""
+    rows = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for name, row in getattr(report, "user_properties", ()):
+                if name == "kernel_resources":
+                    rows[row["config"]] = row
+    if not rows:
+        return
+    terminalreporter.section("kernels compiled for sm_90a: registers per thread (ptxas)")
+    width = max(len(config) for config in rows)
+    terminalreporter.write_line(f"{'config':<{width}}  regs  stack B  compile s")
+    for config, row in rows.items():
+        terminalreporter.write_line(
+            f"{config:<{width}}  {row['registers']:>4}  {row['stack_bytes']:>7}  {row['compile_s']:>9.1f}"
+        )

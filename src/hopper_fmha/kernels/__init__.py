@@ -22,6 +22,7 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, get_kernel  # noqa: E402, F401
+from .inspect import compile_report  # noqa: E402, F401
 
 
 def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg) -> None:
