@@ -71,7 +71,9 @@ def test_layouts_match_the_paper(tiles):
         paper = parse_layout(text)
         assert ours[name][0] == paper[0], f"{name}: shape {ours[name][0]}, the paper's {paper[0]}"
         # The same function on the same domain: a size-1 mode's stride may print differently.
-        assert layout_values(*ours[name]) == layout_values(*paper), f"{name}: {ours[name]} vs the paper's {text}"
+        assert layout_values(*ours[name]) == layout_values(*paper), (
+            f"{name}: {ours[name]} vs the paper's {text}"
+        )
 
 
 def test_layouts_command(capsys):

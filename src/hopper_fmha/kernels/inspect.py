@@ -6,7 +6,8 @@ as RS-WGMMA (`HGMMA ... R<n>` A operand: P from registers), TMA loads (`UTMALDG`
 local-memory traffic (`LDL`/`STL`: register spills).
 
 Registers and stack come from the cubin's `.nv.info` section, where ptxas records them per
-kernel (the same numbers `cuFuncGetAttribute(NUM_REGS / LOCAL_SIZE_BYTES)` reads on a GPU).
+kernel: the "Used N registers" and "N bytes stack frame" of `ptxas -v` (checked against
+`options="remarks{ptx}"`).
 SASS needs nvdisasm >= the DSL's CUDA (13.4): `pip install nvidia-cuda-nvdisasm`.
 """
 
@@ -76,7 +77,7 @@ def kernel_resources(cubin: bytes) -> dict:
     kernels = {s: a for s, a in per_symbol.items() if _EIATTR_REGCOUNT in a}
     if len(kernels) != 1:
         raise ValueError(f"expected one kernel with a register count in .nv.info, found {len(kernels)}")
-    (symbol, attrs), = kernels.items()
+    ((symbol, attrs),) = kernels.items()
     names = _symbol_names(sections.get(".symtab", b""), sections.get(".strtab", b""))
     return {
         "kernel": names[symbol] if symbol < len(names) else f"symbol {symbol}",
@@ -119,7 +120,9 @@ def sass(cubin: bytes) -> str:
 
 
 # `/*0bb0*/  @!P0 HGMMA.64x128x16.F32 R24, gdesc[UR12], RZ, !UPT ;`: opcode and operands.
-_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(\.[\w.]*)?\s*([^;]*);", re.M)
+_INSTRUCTION = re.compile(
+    r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(\.[\w.]*)?\s*([^;]*);", re.M
+)
 _HGMMA_SHAPE = re.compile(r"^\.(\d+x\d+x\d+)")
 
 
@@ -180,10 +183,10 @@ def inspect_kernel(key: KernelKey) -> dict:
 
 
 def shipped_keys(dtype: str = "float16", causal: bool = False) -> list[KernelKey]:
-    """One key per head dim: the tile `config.PAPER_TILE_TABLE` picks for it."""
-    from hopper_fmha.config import DEFAULT_VARIANT, PAPER_TILE_TABLE
+    """One paper-kernel key per head dim: the tile `config.PAPER_TILE_TABLE` picks for it."""
+    from hopper_fmha.config import PAPER_TILE_TABLE
 
-    return [KernelKey(dtype, d, m, n, causal, DEFAULT_VARIANT) for d, (m, n) in sorted(PAPER_TILE_TABLE.items())]
+    return [KernelKey(dtype, d, m, n, causal, "paper") for d, (m, n) in sorted(PAPER_TILE_TABLE.items())]
 
 
 def compile_report(keys: list[KernelKey] | None = None) -> list[dict]:

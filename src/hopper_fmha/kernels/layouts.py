@@ -49,7 +49,10 @@ def layout_values(shape, stride) -> list[int]:
         raise ValueError(f"shape {shape} and stride {stride} are not congruent")
     # itertools.product varies the last factor fastest; reversed modes make the first the fastest.
     ranges = [range(n) for n in reversed(sizes)]
-    return [sum(c * d for c, d in zip(reversed(coord), strides, strict=True)) for coord in itertools.product(*ranges)]
+    return [
+        sum(c * d for c, d in zip(reversed(coord), strides, strict=True))
+        for coord in itertools.product(*ranges)
+    ]
 
 
 def compare(ours: tuple, paper: tuple) -> str:
@@ -68,7 +71,8 @@ def paper_layouts(tile_m: int, tile_n: int, head_dim: int, dtype: str = "float16
 
     from .sm90_paper import PaperFwdSm90, acc_to_operand_a_layout
 
-    kernel = PaperFwdSm90(getattr(cutlass, {"float16": "Float16", "bfloat16": "BFloat16"}[dtype]), head_dim, tile_m, tile_n, False)
+    element = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[dtype]
+    kernel = PaperFwdSm90(element, head_dim, tile_m, tile_n, causal=False)
     found = {}
 
     @cute.jit
@@ -90,7 +94,7 @@ def paper_layouts(tile_m: int, tile_n: int, head_dim: int, dtype: str = "float16
 
 
 def cmd_layouts(args) -> int:
-    print("The paper's listing \"Tensors and Layouts for tile sizes\" (thread 0), rebuilt from")
+    print('The paper\'s listing "Tensors and Layouts for tile sizes" (thread 0), rebuilt from')
     print("PaperFwdSm90._tiled_mmas() and acc_to_operand_a_layout (ReshapeTStoTP), fp16:")
     ok = True
     for (tile_m, tile_n, head_dim), listing in PAPER_LISTING.items():
@@ -106,5 +110,7 @@ def cmd_layouts(args) -> int:
 
 
 def register(subparsers) -> None:
-    sub = subparsers.add_parser("layouts", help="print the paper's register layouts as this kernel builds them")
+    sub = subparsers.add_parser(
+        "layouts", help="print the paper's register layouts as this kernel builds them"
+    )
     sub.set_defaults(func=cmd_layouts)
