@@ -6,6 +6,10 @@ The paper variant runs one warpgroup (128 threads) per CTA. Every thread holds, 
 registers, its share of the GEMM-I accumulator S (tile_m x tile_n) and of the output
 accumulator O (tile_m x head_dim), and the fp16/bf16 copy of P (tile_m x tile_n) that feeds
 the register-A GEMM-II. Shared memory holds one stage each of Q, K and V.
+
+The ws variant (FlashAttention-3's design) adds a producer warpgroup and runs tile_m/64 consumer
+warpgroups of 64 rows each; registers are split by setmaxnreg, and K and V have `num_stages`
+buffers each. Its tiles are checked by `check_fits_ws`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-VARIANTS = ("paper",)
+VARIANTS = ("paper", "ws")
 DEFAULT_VARIANT = "paper"
 
 # Hopper (sm_90): per-thread register ceiling and opt-in shared memory per CTA.
@@ -52,6 +56,10 @@ class KernelConfig:
     tile_m: int
     tile_n: int
     num_threads: int = 128
+    # The ws variant's compile-time switches (the paper variant ignores them).
+    num_stages: int = 2
+    intra_wg_overlap: bool = True
+    pingpong: bool = True
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -105,6 +113,85 @@ def fitting_tiles(head_dim: int) -> list[tuple[int, int]]:
     return out
 
 
+# ---- ws variant ----
+# Consumer registers per thread after setmaxnreg, by tile_m (2 or 3 consumer warpgroups; the
+# producer warpgroup keeps 24 or 32): the 64K-register file split as FlashAttention-3 splits it.
+WS_CONSUMER_REGS = {128: 240, 192: 160}
+WS_TILE_M = tuple(WS_CONSUMER_REGS)
+WS_MAX_TILE_N = 256  # WGMMA N of GEMM-I
+
+
+def ws_reg_overhead() -> int:
+    # Registers a consumer thread needs besides O, S and P (addresses, pipeline states, row
+    # statistics, the mask's coordinates): 28. Calibrated against ptxas (nvidia-cutlass-dsl 4.8.1,
+    # causal, fp16 and bf16) on 15 ws tiles at the edges of both budgets: accepts exactly those
+    # that compile without spills (NOTES.md, "ws register budget"); a compile-tier test keeps
+    # the two in agreement.
+    return 28
+
+
+def ws_register_estimate(head_dim: int, tile_n: int) -> int:
+    """32-bit registers per consumer thread (64 rows per warpgroup): O, S and P live together."""
+    acc_o = 64 * head_dim // 128
+    acc_s = 64 * tile_n // 128
+    frag_p = 64 * tile_n // 256
+    return acc_o + acc_s + frag_p + ws_reg_overhead()
+
+
+def ws_smem_bytes(head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2) -> int:
+    """Q, num_stages buffers each of K and V, the mbarriers (1 KiB with alignment)."""
+    return (tile_m + 2 * num_stages * tile_n) * head_dim * elem_bytes + 1024
+
+
+def check_fits_ws(head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2) -> None:
+    """Raise ValueError naming the rule a ws-variant config breaks."""
+    if tile_m not in WS_TILE_M:
+        raise ValueError(
+            f"ws tile_m must be one of {WS_TILE_M} (2 or 3 consumer warpgroups of 64 rows), got {tile_m}"
+        )
+    if tile_n % 16 != 0 or not 16 <= tile_n <= WS_MAX_TILE_N:
+        raise ValueError(
+            f"ws tile_n must be a multiple of 16 (the K step of GEMM-II) in [16, {WS_MAX_TILE_N}], "
+            f"got {tile_n}"
+        )
+    regs = ws_register_estimate(head_dim, tile_n)
+    budget = WS_CONSUMER_REGS[tile_m]
+    if regs > budget:
+        raise ValueError(
+            f"ws tile {tile_m}x{tile_n} at head_dim={head_dim} needs about {regs} registers per consumer "
+            f"thread (O {head_dim // 2} + S {tile_n // 2} + P {tile_n // 4} + {ws_reg_overhead()} "
+            f"overhead) but tile_m={tile_m} gives consumers {budget}: it would spill. Use a smaller tile_n"
+            + (" or tile_m=128." if tile_m != 128 else ".")
+        )
+    smem = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages)
+    if smem > SMEM_CAPACITY_BYTES:
+        raise ValueError(
+            f"ws tile {tile_m}x{tile_n} with {num_stages} K/V stages at head_dim={head_dim} needs {smem} "
+            f"bytes of shared memory but a CTA has at most {SMEM_CAPACITY_BYTES}"
+        )
+
+
+@dataclass(frozen=True)
+class WsChoice:
+    tile: tuple[int, int]
+    num_stages: int
+    intra_wg_overlap: bool
+    pingpong: bool
+
+
+# The ws variant's choice per head dim. Started from FlashAttention-3/4's (tuned on H100 SXM);
+# measured reason per entry: pending the first H200 run (NOTES.md, "ws tile table").
+WS_TILE_TABLE = {
+    # 3 consumer warpgroups: each K/V tile serves 192 query rows (FA3/FA4's d64 choice).
+    64: WsChoice((192, 128), num_stages=2, intra_wg_overlap=True, pingpong=True),
+    # FA4's; FA3 takes 128x176 when not causal (fits too; the GPU check times it).
+    128: WsChoice((128, 128), num_stages=2, intra_wg_overlap=True, pingpong=True),
+    # The widest tile_n whose two K and two V stages fit shared memory. No pingpong above d128,
+    # as FA3/FA4.
+    256: WsChoice((128, 80), num_stages=2, intra_wg_overlap=True, pingpong=False),
+}
+
+
 @lru_cache(maxsize=256)
 def select_config(head_dim: int, variant: str = DEFAULT_VARIANT, tile: tuple[int, int] | None = None) -> KernelConfig:
     """The kernel configuration for a head dim, from the table or an explicit `tile` override."""
@@ -112,10 +199,23 @@ def select_config(head_dim: int, variant: str = DEFAULT_VARIANT, tile: tuple[int
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if tile is not None and (len(tile) != 2 or not all(isinstance(t, int) for t in tile)):
+        raise ValueError(f"tile must be a pair of ints (tile_m, tile_n), got {tile!r}")
+    if variant == "ws":
+        choice = WS_TILE_TABLE[head_dim]
+        tile = choice.tile if tile is None else tile
+        check_fits_ws(head_dim, *tile, num_stages=choice.num_stages)
+        return KernelConfig(
+            variant=variant,
+            head_dim=head_dim,
+            tile_m=tile[0],
+            tile_n=tile[1],
+            num_threads=128 * (1 + tile[0] // 64),
+            num_stages=choice.num_stages,
+            intra_wg_overlap=choice.intra_wg_overlap,
+            pingpong=choice.pingpong,
+        )
     if tile is None:
         tile = PAPER_TILE_TABLE[head_dim]
-    else:
-        if len(tile) != 2 or not all(isinstance(t, int) for t in tile):
-            raise ValueError(f"tile must be a pair of ints (tile_m, tile_n), got {tile!r}")
     check_fits(head_dim, *tile)
     return KernelConfig(variant=variant, head_dim=head_dim, tile_m=tile[0], tile_n=tile[1])

@@ -8,8 +8,9 @@ q: (B, Sq, H, D), k and v: (B, Sk, Hkv, D), CUDA fp16/bf16, last dim contiguous,
 multiples of 8 elements, 16-byte aligned data. out: preallocated like q. lse: preallocated
 (B, H, Sq) float32. cfg: `hopper_fmha.config.KernelConfig`. Writes out and lse in place.
 
-One compiled kernel per key (dtype, head_dim, tile_m, tile_n, causal, variant); batch, sequence
-lengths, head counts and strides are runtime values. Compiled kernels are kept in memory and,
+One compiled kernel per key (dtype, head_dim, tile_m, tile_n, causal, variant, and the ws
+variant's stages/overlap/pingpong switches); batch, sequence lengths, head counts and strides
+are runtime values. Compiled kernels are kept in memory and,
 as TVM-FFI object files, on disk (`cache_dir()`), so a second process loads instead of compiling.
 """
 
@@ -26,6 +27,16 @@ from .inspect import compile_report  # noqa: E402, F401
 
 
 def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg) -> None:
-    key = KernelKey(str(q.dtype).removeprefix("torch."), cfg.head_dim, cfg.tile_m, cfg.tile_n, causal, cfg.variant)
+    key = KernelKey(
+        str(q.dtype).removeprefix("torch."),
+        cfg.head_dim,
+        cfg.tile_m,
+        cfg.tile_n,
+        causal,
+        cfg.variant,
+        cfg.num_stages,
+        cfg.intra_wg_overlap,
+        cfg.pingpong,
+    )
     fn = get_kernel(key)
     fn(q, k, v, out, lse, softmax_scale, q.shape[2] // k.shape[2])

@@ -25,10 +25,19 @@ class KernelKey(NamedTuple):
     tile_n: int
     causal: bool
     variant: str
+    # The "ws" variant's compile-time switches (ignored, and left at these defaults, for "paper").
+    num_stages: int = 2
+    intra_wg_overlap: bool = True
+    pingpong: bool = True
 
     def slug(self) -> str:
         c = "causal" if self.causal else "full"
-        return f"{self.variant}_{self.dtype}_d{self.head_dim}_{self.tile_m}x{self.tile_n}_{c}"
+        slug = f"{self.variant}_{self.dtype}_d{self.head_dim}_{self.tile_m}x{self.tile_n}_{c}"
+        if self.variant == "ws":
+            overlap = "ov" if self.intra_wg_overlap else "noov"
+            pingpong = "pp" if self.pingpong else "nopp"
+            slug += f"_s{self.num_stages}_{overlap}_{pingpong}"
+        return slug
 
 
 _memory: dict[KernelKey, Any] = {}
@@ -60,11 +69,24 @@ def _kernel_object(key: KernelKey):
     import cutlass
 
     from .sm90_paper import PaperFwdSm90
+    from .sm90_ws import WsFwdSm90
 
     dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[key.dtype]
-    if key.variant != "paper":
-        raise ValueError(f"unknown kernel variant {key.variant!r}")
-    return PaperFwdSm90(dtype, key.head_dim, key.tile_m, key.tile_n, key.causal), dtype
+    if key.variant == "paper":
+        return PaperFwdSm90(dtype, key.head_dim, key.tile_m, key.tile_n, key.causal), dtype
+    if key.variant == "ws":
+        kernel = WsFwdSm90(
+            dtype,
+            key.head_dim,
+            key.tile_m,
+            key.tile_n,
+            key.causal,
+            num_stages=key.num_stages,
+            intra_wg_overlap=key.intra_wg_overlap,
+            pingpong=key.pingpong,
+        )
+        return kernel, dtype
+    raise ValueError(f"unknown kernel variant {key.variant!r}")
 
 
 def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):

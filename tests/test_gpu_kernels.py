@@ -1,4 +1,4 @@
-"""GPU correctness of the paper kernel: the full matrix of the kernel issue.
+"""GPU correctness of both kernel variants: the full matrix of the kernel issues.
 
 Rule (FlashAttention's, in spirit): against an fp32 reference, our error may be at most twice the
 error of PyTorch computing the same attention in the input dtype, plus a small floor (which only
@@ -97,12 +97,46 @@ def test_paper_kernel_matrix(hopper_gpu, dtype, d, causal, tile, seqlens, heads)
     assert_close_to_reference(q, k, v, scale, causal, out, lse)
 
 
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_public_api_runs_the_kernel(hopper_gpu, causal):
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_ws_kernel_matrix(hopper_gpu, dtype, d, causal, seqlens, heads):
+    """The warp-specialized variant on the paper kernel's matrix, at its table tile."""
+    cfg = config.select_config(d, "ws")
+    sq, sk = seqlens
+    h, hkv = HEADS[heads]
+    q, k, v = make_inputs(2, sq, sk, h, hkv, d, dtype, seed=hash(("ws", d, causal, seqlens, heads)) % 2**31)
+    scale = config.default_softmax_scale(d)
+    out, lse = run_kernel(q, k, v, scale, causal, cfg)
+    assert_close_to_reference(q, k, v, scale, causal, out, lse)
+
+
+@pytest.mark.parametrize("tile", [(128, 64), (128, 176), (192, 64), (192, 96)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ws_other_tiles(hopper_gpu, tile, causal):
+    """Tiles off the table (tile_n not a power of two, 3 consumer warpgroups) on tail shapes."""
+    for d in HEAD_DIMS:
+        try:
+            cfg = config.select_config(d, "ws", tile)
+        except ValueError:
+            continue
+        for sq, sk in ((113, 203), (1023, 1024)):
+            q, k, v = make_inputs(1, sq, sk, 4, 2, d, torch.float16, seed=sq + d)
+            out, lse = run_kernel(q, k, v, 0.1, causal, cfg)
+            assert_close_to_reference(q, k, v, 0.1, causal, out, lse)
+
+
+@pytest.mark.parametrize("variant", ["paper", "ws"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_public_api_runs_the_kernel(hopper_gpu, variant, causal):
     import hopper_fmha
 
     q, k, v = make_inputs(2, 300, 517, 8, 2, 128, torch.bfloat16, seed=7)
-    out, lse = hopper_fmha.flash_attn_func(q, k, v, softmax_scale=0.05, causal=causal, return_lse=True)
+    out, lse = hopper_fmha.flash_attn_func(
+        q, k, v, softmax_scale=0.05, causal=causal, return_lse=True, variant=variant
+    )
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (2, 8, 300) and lse.dtype == torch.float32
     assert_close_to_reference(q, k, v, 0.05, causal, out, lse)

@@ -1,0 +1,29 @@
+"""One small attention call per (variant, head dim), for compute-sanitizer on the GPU machine.
+
+    compute-sanitizer --tool memcheck python scripts/sanitize.py
+    compute-sanitizer --tool racecheck python scripts/sanitize.py
+
+Shapes have tails on both sides, GQA and causal with seqlen_q != seqlen_k, so every code path
+(masked and unmasked key tiles, clipped TMA loads and stores) runs. Prints the max error against
+the fp32 reference; the sanitizer's own summary decides clean or not.
+"""
+
+import sys
+
+import torch
+
+import hopper_fmha
+from hopper_fmha.reference import reference
+
+variants = sys.argv[1:] or ["paper", "ws"]
+for variant in variants:
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            torch.manual_seed(d)
+            q = torch.randn(1, 300, 4, d, device="cuda", dtype=torch.float16)
+            k = torch.randn(1, 517, 2, d, device="cuda", dtype=torch.float16)
+            v = torch.randn(1, 517, 2, d, device="cuda", dtype=torch.float16)
+            out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, variant=variant)
+            ref, _ = reference(q, k, v, causal=causal)
+            err = (out.float() - ref).abs().max().item()
+            print(f"{variant} d={d} causal={causal}: max error {err:.2e}", flush=True)

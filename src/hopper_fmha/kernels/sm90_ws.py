@@ -1,0 +1,851 @@
+"""Warp-specialized FlashAttention forward for Hopper (FlashAttention-3's design), one CTA per tile.
+
+Algorithm, per CTA = one tile of `tile_m` query rows of one (batch, head); each consumer
+warpgroup owns 64 of those rows and runs the loop below on its own, key blocks visited from the
+last (the only ones that need a mask come first) down to block 0:
+
+    S = Q K_last^T; mask; online softmax; P = fp16/bf16(S)              (first block)
+    for j = last-1 .. 0:
+        S_next = Q K_j^T          SS-WGMMA, issued async   \\ both in flight together;
+        O += P V_{j+1}            RS-WGMMA, issued async   /  wait for GEMM-I only
+        mask S_next (first iterations only); online softmax   <- overlaps GEMM-II
+        wait GEMM-II; P = fp16/bf16(S_next); O *= exp(m_old - m_new)
+    O += P V_0
+    O /= rowsum; LSE = m + log(rowsum); O -> smem (stmatrix, Q's buffer) -> TMA store
+
+Warp roles (`num_threads` = 128 * (1 + tile_m / 64)):
+    warpgroup 0      producer. Its warp 0 issues every TMA load: K_last, Q, then K_{j} ahead
+                     of V_{j+1} (GEMM-I of a block needs K only), through two mbarrier
+                     pipelines (K and V, `num_stages` buffers each) and Q's own barrier.
+    warpgroups 1..   consumers, 64 query rows each: both GEMMs, softmax, epilogue.
+Pingpong (`pingpong=True`): the consumer warpgroups pass a token around a ring of named
+barriers and issue their GEMMs only while holding it, so one warpgroup's softmax runs while
+the other's GEMMs occupy the tensor cores (FlashAttention-3's warp scheduler barriers).
+`intra_wg_overlap=False` gives the plain loop (GEMM-I, softmax, GEMM-II, each waited).
+Causal grids run their query tiles longest first (blockIdx.x reversed).
+
+Register split (setmaxnreg; needs `min_blocks_per_mp=1` at launch or ptxas ignores it):
+2 consumer warpgroups: producer 24, consumers 240; 3 consumer warpgroups: 32 and 160
+(128 threads per warpgroup times those counts: 64512 and 65536 of the 64K-register file).
+Per consumer thread: O (head_dim/2 fp32), S (tile_n/2 fp32) and P (tile_n/4 32-bit registers)
+are live together across the overlapped step. P and O are packed to 16 bits two values per
+instruction (`convert`): the DSL's `.to()` did not pair bf16 values and cost registers.
+
+Shared memory: Q (tile_m x d), K and V (num_stages x tile_n x d each), 128B-swizzled; O
+reuses Q's buffer. Named barriers: 0 = __syncthreads (setup), 1 = epilogue, 2.. = pingpong ring.
+
+Constraints: head_dim in {64, 128, 256}; fp16/bf16 in, fp32 accumulate; tile_m in {128, 192};
+tile_n a multiple of 16 (the P·V K-blocks), at most 256 (WGMMA N); bottom-right causal.
+`hopper_fmha.config` owns the tile table and the checks that a tile fits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from .sm90_paper import acc_mn_layout, acc_to_operand_a_layout
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+WARPGROUP = 128
+# Named barrier ids (0 is __syncthreads).
+BARRIER_EPILOGUE = 1
+BARRIER_PINGPONG = 2  # + consumer warpgroup index: the barrier that warpgroup waits on for its turn
+# (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
+REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+
+
+class WsFwdSm90:
+    """Compile-time configuration of the warp-specialized kernel; `__call__` is the host launcher."""
+
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        tile_m: int,
+        tile_n: int,
+        causal: bool,
+        *,
+        num_stages: int = 2,
+        intra_wg_overlap: bool = True,
+        pingpong: bool = True,
+    ):
+        assert head_dim in (64, 128, 256)
+        assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
+        assert num_stages >= 1
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.causal = causal
+        self.num_stages = num_stages
+        self.intra_wg_overlap = intra_wg_overlap
+        self.pingpong = pingpong
+        self.num_mma_wg = tile_m // 64
+        self.num_mma_threads = WARPGROUP * self.num_mma_wg
+        self.num_threads = WARPGROUP + self.num_mma_threads
+        self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.num_mma_wg]
+
+    # ---------------------------------------------------------------- host side
+    def _tiled_mmas(self):
+        # Consumer warpgroups stack along M: warpgroup w computes rows [64w, 64w + 64).
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1),
+            tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1),
+            tiler_mn=(64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        return tiled_mma_qk, tiled_mma_pv
+
+    def _smem_layout(self, rows: int, stages: int | None = None):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim), self.dtype
+        )
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, self.head_dim), order=(0, 1))
+        return cute.tile_to_shape(atom, (rows, self.head_dim, stages), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h, d)
+        mK: cute.Tensor,  # (b, s_k, h_kv, d)
+        mV: cute.Tensor,  # (b, s_k, h_kv, d)
+        mO: cute.Tensor,  # (b, s_q, h, d)
+        mLSE: cute.Tensor,  # (b, h, s_q) float32
+        softmax_scale: Float32,
+        qhead_per_kvhead: Int32,
+        stream: cuda.CUstream,
+    ):
+        # Sequence first, as the TMA tiles and WGMMA expect: (s, d, h, b) and LSE (s, h, b).
+        mQ, mK, mV, mO = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mO)
+        ]
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        sQ_layout = self._smem_layout(self.tile_m)
+        sK_layout = self._smem_layout(self.tile_n, self.num_stages)
+        sV_layout = self._smem_layout(self.tile_n, self.num_stages)
+        sKV_stage_layout = cute.select(sK_layout, mode=[0, 1])
+
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (self.tile_m, self.head_dim))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            tma_op, mK, sKV_stage_layout, (self.tile_n, self.head_dim)
+        )
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            tma_op, mV, sKV_stage_layout, (self.tile_n, self.head_dim)
+        )
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim)
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]  # full + empty per stage
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
+            cute.size(mQ.shape[2]),
+            cute.size(mQ.shape[3]),
+        )
+        self.kernel(
+            tma_atom_Q,
+            tma_Q,
+            tma_atom_K,
+            tma_K,
+            tma_atom_V,
+            tma_V,
+            tma_atom_O,
+            tma_O,
+            mLSE,
+            softmax_scale * LOG2_E,
+            qhead_per_kvhead,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_atom_O: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        qhead_per_kvhead: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for tma_atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(tma_atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        mbar_Q = storage.mbar_Q.data_ptr()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_Q, 1)
+        # Pipelines initialise their barriers from warp 0; "full" completes on one producer
+        # arrive plus the TMA bytes, "empty" on one arrive per consumer WARP (lane 0 signals).
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        bytes_KV = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_K.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=producer_group,
+            consumer_group=consumer_group,
+            tx_count=bytes_KV,
+            defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_V.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=producer_group,
+            consumer_group=consumer_group,
+            tx_count=bytes_KV,
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        m_block, head, batch = cute.arch.block_idx()
+        if const_expr(self.causal):
+            # Longest tiles first: CTAs launch in blockIdx.x order, so the cheap tiles of the
+            # diagonal fill the last wave instead of the expensive ones.
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        n_max, n_unmasked = self.block_range(m_block, seqlen_q, seqlen_k)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.producer(
+                    tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_Q, pipeline_k,
+                    pipeline_v, m_block, head // qhead_per_kvhead, head, batch, n_max,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            tidx = cute.arch.thread_idx()[0] - WARPGROUP
+            self.consumer(
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mbar_Q, pipeline_k, pipeline_v, tma_atom_O, mO,
+                mLSE, scale_log2, tidx, m_block, head, batch, seqlen_q, seqlen_k, n_max, n_unmasked,
+            )  # fmt: skip
+
+    @cute.jit
+    def block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """(n_max, n_unmasked): the tile visits key blocks [0, n_max); [n_unmasked, n_max) need a mask.
+
+        Causal is bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q. n_max <= 0
+        means no row of the tile sees a key.
+        """
+        n_max = (seqlen_k + self.tile_n - 1) // self.tile_n
+        n_unmasked = seqlen_k // self.tile_n
+        if const_expr(self.causal):
+            first_row_limit = m_block * self.tile_m + seqlen_k - seqlen_q + 1  # keys < this: all rows see
+            last_row_limit = first_row_limit + self.tile_m - 1
+            n_max = cutlass.min(n_max, (cutlass.max(last_row_limit, 0) + self.tile_n - 1) // self.tile_n)
+            n_unmasked = cutlass.min(n_unmasked, cutlass.max(first_row_limit, 0) // self.tile_n)
+        n_unmasked = cutlass.min(n_unmasked, n_max)
+        return n_max, n_unmasked
+
+    # ---------------------------------------------------------------- producer
+    @cute.jit
+    def producer(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        mV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        mbar_Q: cute.Pointer,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        m_block: Int32,
+        head_kv: Int32,
+        head: Int32,
+        batch: Int32,
+        n_max: Int32,
+    ):
+        """One warp: every TMA load, in the order the consumers use them (so no cycle can form)."""
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if n_max > 0:
+            k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_max - 1)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_Q, cute.size_in_bytes(self.dtype, sQ.layout))
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=mbar_Q)
+            if const_expr(self.intra_wg_overlap):
+                # GEMM-I of block n runs beside GEMM-II of block n + 1: K_n goes ahead of V_{n+1}.
+                for i in cutlass.range(n_max - 1, unroll=1):
+                    n_block = n_max - 2 - i
+                    k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
+                    v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block + 1)
+                v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, 0)
+            else:
+                v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_max - 1)
+                for i in cutlass.range(n_max - 1, unroll=1):
+                    n_block = n_max - 2 - i
+                    k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
+                    v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block)
+        # Stay until the consumers have released every buffer: no arrive lands after exit.
+        pipeline_k.producer_tail(k_state)
+        pipeline_v.producer_tail(v_state)
+
+    @cute.jit
+    def load_block(
+        self,
+        pipe: pipeline.PipelineAsync,
+        state: pipeline.PipelineState,
+        tma_atom: cute.CopyAtom,
+        tXgX: cute.Tensor,
+        tXsX: cute.Tensor,
+        n_block: Int32,
+    ):
+        """Wait for a free stage, arm its barrier with the byte count, issue the TMA (whole warp)."""
+        pipe.producer_acquire(state)
+        cute.copy(
+            tma_atom,
+            tXgX[None, n_block],
+            tXsX[None, state.index],
+            tma_bar_ptr=pipe.producer_get_barrier(state),
+        )
+        state.advance()
+        return state
+
+    # ---------------------------------------------------------------- consumers
+    @cute.jit
+    def consumer(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        mbar_Q: cute.Pointer,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        tma_atom_O: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        n_max: Int32,
+        n_unmasked: Int32,
+    ):
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        # smem operand descriptors are per warpgroup; accumulators per thread.
+        wg_mma_qk = tiled_mma_qk.get_slice(wg * WARPGROUP)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg * WARPGROUP)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        # V^T (d, tile_n, stages) for GEMM-II's MN-major B operand.
+        sVt = cute.composition(
+            sV, cute.make_ordered_layout((self.head_dim, self.tile_n, self.num_stages), order=(1, 0, 2))
+        )
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        acc_shape_S = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_O = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim)))
+        acc_O.fill(0.0)
+        # P, the A operand of GEMM-II: the accumulator layout of S re-viewed (no data movement).
+        tOrP_acc = cute.make_rmem_tensor(acc_shape_S, self.dtype)
+        tOrP = cute.make_tensor(tOrP_acc.iterator, acc_to_operand_a_layout(tOrP_acc.layout))
+        rows_per_thread = cute.size(acc_mn_layout(acc_O.layout), mode=[0])
+        row_max = cute.make_rmem_tensor((rows_per_thread,), Float32)
+        row_sum = cute.make_rmem_tensor((rows_per_thread,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        cS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        tScS_mn = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
+
+        ctx = (
+            tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O, tOrP_acc, tOrP, row_max,
+            row_sum, tScS_mn, pipeline_k, pipeline_v, scale_log2, m_block, seqlen_q, seqlen_k, wg,
+        )  # fmt: skip
+        if const_expr(self.pingpong):
+            # The first consumer warpgroup starts with the token.
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG, number_of_threads=2 * WARPGROUP)
+
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if n_max > 0:
+            cute.arch.mbarrier_wait(mbar_Q, 0)
+            n_first = n_max - 1
+            n_masked_end = cutlass.min(n_unmasked, n_first)  # blocks [n_masked_end, n_first) need a mask
+            if const_expr(self.intra_wg_overlap):
+                k_state = self.first_block(n_first, k_state, *ctx)
+                for i in cutlass.range(n_first - n_masked_end, unroll=1):
+                    k_state, v_state = self.overlapped_block(n_first - 1 - i, True, k_state, v_state, *ctx)
+                for i in cutlass.range(n_masked_end, unroll=1):
+                    k_state, v_state = self.overlapped_block(
+                        n_masked_end - 1 - i, False, k_state, v_state, *ctx
+                    )
+                v_state = self.last_pv(v_state, *ctx)
+            else:
+                k_state, v_state = self.plain_block(n_first, True, True, k_state, v_state, *ctx)
+                for i in cutlass.range(n_first - n_masked_end, unroll=1):
+                    k_state, v_state = self.plain_block(n_first - 1 - i, True, False, k_state, v_state, *ctx)
+                for i in cutlass.range(n_masked_end, unroll=1):
+                    k_state, v_state = self.plain_block(
+                        n_masked_end - 1 - i, False, False, k_state, v_state, *ctx
+                    )
+                self.pingpong_pass(wg)
+
+        self.epilogue(
+            acc_O, row_max, row_sum, scale_log2, sQ, tma_atom_O, mO, mLSE, tiled_mma_pv, thr_mma_pv, tidx,
+            m_block, head, batch, seqlen_q,
+        )  # fmt: skip
+
+    @cute.jit
+    def pingpong_wait(self, wg: Int32):
+        """Block until this warpgroup holds the GEMM-issue token."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=BARRIER_PINGPONG + wg, number_of_threads=2 * WARPGROUP)
+
+    @cute.jit
+    def pingpong_pass(self, wg: Int32):
+        """Hand the token to the next consumer warpgroup of the ring."""
+        if const_expr(self.pingpong):
+            next_wg = wg + 1
+            if next_wg == self.num_mma_wg:
+                next_wg = Int32(0)
+            cute.arch.barrier_arrive(barrier_id=BARRIER_PINGPONG + next_wg, number_of_threads=2 * WARPGROUP)
+
+    @cute.jit
+    def first_block(
+        self,
+        n_block: Int32,
+        k_state: pipeline.PipelineState,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrV: cute.Tensor,
+        acc_shape_S: cute.Shape,
+        acc_O: cute.Tensor,
+        tOrP_acc: cute.Tensor,
+        tOrP: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        tScS_mn: cute.Tensor,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        scale_log2: Float32,
+        m_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        wg: Int32,
+    ):
+        """Overlapped loop, first half: S of the last block, its mask and softmax, P (no GEMM-II yet)."""
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipeline_k.consumer_wait(k_state)
+        self.pingpong_wait(wg)
+        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1)
+        self.pingpong_pass(wg)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(k_state)
+        k_state.advance()
+        self.apply_mask(acc_S, tScS_mn, m_block, n_block, seqlen_q, seqlen_k)
+        self.online_softmax(acc_S, row_max, row_sum, scale_log2, True)
+        convert(acc_S, tOrP_acc)
+        return k_state
+
+    @cute.jit
+    def overlapped_block(
+        self,
+        n_block: Int32,
+        masked: cutlass.Constexpr[bool],
+        k_state: pipeline.PipelineState,
+        v_state: pipeline.PipelineState,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrV: cute.Tensor,
+        acc_shape_S: cute.Shape,
+        acc_O: cute.Tensor,
+        tOrP_acc: cute.Tensor,
+        tOrP: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        tScS_mn: cute.Tensor,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        scale_log2: Float32,
+        m_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        wg: Int32,
+    ):
+        """S = Q K_n^T and O += P V_{n+1} in flight together; softmax of S while GEMM-II runs."""
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipeline_k.consumer_wait(k_state)
+        self.pingpong_wait(wg)
+        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1)
+        pipeline_v.consumer_wait(v_state)
+        gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False, wg_wait=-1)
+        self.pingpong_pass(wg)
+        warpgroup.wait_group(1)  # GEMM-I done, GEMM-II may still run
+        pipeline_k.consumer_release(k_state)
+        k_state.advance()
+        if const_expr(masked):
+            self.apply_mask(acc_S, tScS_mn, m_block, n_block, seqlen_q, seqlen_k)
+        row_scale = self.online_softmax(acc_S, row_max, row_sum, scale_log2, False)
+        warpgroup.wait_group(0)  # GEMM-II done: P's registers and sV_{n+1} are free
+        pipeline_v.consumer_release(v_state)
+        v_state.advance()
+        convert(acc_S, tOrP_acc)
+        self.rescale_O(acc_O, row_scale)
+        return k_state, v_state
+
+    @cute.jit
+    def last_pv(
+        self,
+        v_state: pipeline.PipelineState,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrV: cute.Tensor,
+        acc_shape_S: cute.Shape,
+        acc_O: cute.Tensor,
+        tOrP_acc: cute.Tensor,
+        tOrP: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        tScS_mn: cute.Tensor,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        scale_log2: Float32,
+        m_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        wg: Int32,
+    ):
+        """Overlapped loop, second half: O += P V_0."""
+        pipeline_v.consumer_wait(v_state)
+        gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False, wg_wait=0)
+        pipeline_v.consumer_release(v_state)
+        v_state.advance()
+        return v_state
+
+    @cute.jit
+    def plain_block(
+        self,
+        n_block: Int32,
+        masked: cutlass.Constexpr[bool],
+        is_first: cutlass.Constexpr[bool],
+        k_state: pipeline.PipelineState,
+        v_state: pipeline.PipelineState,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tSrQ: cute.Tensor,
+        tSrK: cute.Tensor,
+        tOrV: cute.Tensor,
+        acc_shape_S: cute.Shape,
+        acc_O: cute.Tensor,
+        tOrP_acc: cute.Tensor,
+        tOrP: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        tScS_mn: cute.Tensor,
+        pipeline_k: pipeline.PipelineAsync,
+        pipeline_v: pipeline.PipelineAsync,
+        scale_log2: Float32,
+        m_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        wg: Int32,
+    ):
+        """No intra-warpgroup overlap: GEMM-I, softmax, GEMM-II, each waited.
+
+        With pingpong the token is held from GEMM-II of one block through GEMM-I of the next, so
+        the two GEMMs of a warpgroup issue back to back while the other warpgroup does softmax.
+        """
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipeline_k.consumer_wait(k_state)
+        if const_expr(is_first):
+            self.pingpong_wait(wg)
+        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1)
+        self.pingpong_pass(wg)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(k_state)
+        k_state.advance()
+        if const_expr(masked):
+            self.apply_mask(acc_S, tScS_mn, m_block, n_block, seqlen_q, seqlen_k)
+        row_scale = self.online_softmax(acc_S, row_max, row_sum, scale_log2, is_first)
+        convert(acc_S, tOrP_acc)
+        if const_expr(not is_first):
+            self.rescale_O(acc_O, row_scale)
+        pipeline_v.consumer_wait(v_state)
+        self.pingpong_wait(wg)
+        gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False, wg_wait=0)
+        pipeline_v.consumer_release(v_state)
+        v_state.advance()
+        return k_state, v_state
+
+    @cute.jit
+    def apply_mask(
+        self,
+        acc_S: cute.Tensor,
+        tScS_mn: cute.Tensor,
+        m_block: Int32,
+        n_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+    ):
+        """-inf outside the sequence (key tail) and above the bottom-right causal diagonal."""
+        acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+        col_limit_seq = seqlen_k - n_block * self.tile_n
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            col_limit = col_limit_seq
+            if const_expr(self.causal):
+                row = m_block * self.tile_m + tScS_mn[r, 0][0]
+                col_limit = cutlass.min(col_limit, row + seqlen_k - seqlen_q + 1 - n_block * self.tile_n)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                if tScS_mn[0, c][1] >= col_limit:
+                    acc_S_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def online_softmax(
+        self,
+        acc_S: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        scale_log2: Float32,
+        is_first: cutlass.Constexpr[bool],
+    ) -> cute.Tensor:
+        """S -> exp2(S*scale - max*scale) in place; updates the row stats; returns O's row rescale.
+
+        row_sum stays a per-thread partial sum (the quad reduction happens once, in the epilogue).
+        """
+        acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+        num_cols = cute.size(acc_S_mn, mode=[1])
+        row_scale = cute.make_rmem_tensor(row_max.layout, Float32)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            # Four independent max chains for ILP, then the quad (4 lanes own a row) reduction.
+            part = [acc_S_mn[r, 0], acc_S_mn[r, 1], acc_S_mn[r, 2], acc_S_mn[r, 3]]
+            for c in cutlass.range_constexpr(4, num_cols):
+                part[c % 4] = cute.arch.fmax(part[c % 4], acc_S_mn[r, c])
+            m_new = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
+            if const_expr(not is_first):
+                m_new = cute.arch.fmax(m_new, row_max[r])
+            m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
+            m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
+            # A row that has seen no key yet keeps max -inf; exponentiate against 0 instead.
+            m_scaled = m_new * scale_log2
+            if m_new == -Float32.inf:
+                m_scaled = Float32(0.0)
+            sums = [Float32(0.0)] * 4
+            for c in cutlass.range_constexpr(num_cols):
+                p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - m_scaled, fastmath=True)
+                acc_S_mn[r, c] = p
+                sums[c % 4] = sums[c % 4] + p
+            block_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
+            if const_expr(is_first):
+                row_scale[r] = Float32(1.0)
+                row_sum[r] = block_sum
+            else:
+                rescale = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
+                row_scale[r] = rescale
+                row_sum[r] = row_sum[r] * rescale + block_sum
+            row_max[r] = m_new
+        return row_scale
+
+    @cute.jit
+    def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        acc_O_mn = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * row_scale[r]
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        scale_log2: Float32,
+        sO: cute.Tensor,
+        tma_atom_O: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        tiled_mma_pv: cute.TiledMma,
+        thr_mma_pv: cute.ThrMma,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+    ):
+        """O /= rowsum, LSE = (m * scale * log2 e + log2 rowsum) * ln 2; O via smem + TMA store."""
+        acc_O_mn = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
+        lse = cute.make_rmem_tensor((cute.size(row_sum),), Float32)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            total = row_sum[r]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            # A row that saw no key: O stays 0 and LSE is -inf.
+            inv = Float32(0.0)
+            lse[r] = -Float32.inf
+            if total > 0.0:
+                inv = cute.arch.rcp_approx(total)
+                lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * inv
+
+        # LSE: one lane per row quad writes (the lane holding column 0), rows inside the sequence.
+        cO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        tOcO_mn = cute.make_tensor(cO.iterator, acc_mn_layout(cO.layout))
+        if tOcO_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        # O: registers -> smem (stmatrix into Q's buffer) -> TMA store. A warpgroup's rows of sQ are
+        # read only by its own GEMM-Is, all complete here, so no barrier is needed before writing.
+        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+        convert(acc_O, rO)
+        smem_copy_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+            ),
+            tiled_mma_pv,
+        ).get_slice(tidx)
+        cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
+        if tidx // 32 == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+            )
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def gemm(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool],
+    wg_wait: cutlass.Constexpr[int],
+):
+    """Issue one warpgroup GEMM over all K blocks as one commit group; wait_group(wg_wait) if >= 0."""
+    warpgroup.fence()
+    # A fresh atom per call: ACCUMULATE is mutated below, which must not leak across loop regions.
+    mma_atom = cute.make_mma_atom(tiled_mma.op)
+    mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wg_wait >= 0):
+        warpgroup.wait_group(wg_wait)
+
+
+@dsl_user_op
+def pack_f32x2(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values -> one register of fp16x2/bf16x2 (round to nearest even), `lo` in bits 0-15."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    packed = llvm.inline_asm(
+        T.i32(),
+        [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $2, $1;",  # cvt.rn.*x2 puts its first source in the upper half
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(packed)
+
+
+@cute.jit
+def convert(src: cute.Tensor, dst: cute.Tensor):
+    """fp32 register tensor -> fp16/bf16 tensor of the same compact layout, two values per instruction.
+
+    `dst.store(src.load().to(dtype))` packs fp16 pairs but, for bf16, converts many values one at a
+    time and merges them with PRMT (60 extra instructions per 64x80 tile at d256, and a spill).
+    """
+    dst_words = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst_words)):
+        dst_words[i] = pack_f32x2(src[2 * i], src[2 * i + 1], dst.element_type)
