@@ -133,7 +133,9 @@ def test_causal_bool():
 def test_tile_rejected_by_config():
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"tile 32x32 is not a paper-variant tile"):
-        flash_attn_func(q, k, v, tile=(32, 32))
+        flash_attn_func(q, k, v, tile=(32, 32), variant="paper")
+    with pytest.raises(ValueError, match=r"ws tile_m must be one of \(128, 192\).*got 32"):
+        flash_attn_func(q, k, v, tile=(32, 32), variant="ws")
 
 
 def test_tile_not_a_pair():
@@ -195,8 +197,9 @@ def test_outputs_and_launch_arguments(cpu_kernel, causal):
 
 def test_tile_and_scale_reach_kernel(cpu_kernel):
     q, k, v = qkv()
-    flash_attn_func(q, k, v, softmax_scale=0.5, tile=[64, 64])
+    flash_attn_func(q, k, v, softmax_scale=0.5, tile=[64, 64], variant="paper")
     assert cpu_kernel[0]["softmax_scale"] == 0.5 and cpu_kernel[0]["cfg"].tile == (64, 64)
+    assert cpu_kernel[0]["cfg"].variant == "paper"
 
 
 def _misaligned(t):

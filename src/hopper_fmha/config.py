@@ -19,7 +19,7 @@ from functools import lru_cache
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 VARIANTS = ("paper", "ws")
-DEFAULT_VARIANT = "paper"
+DEFAULT_VARIANT = "ws"
 
 # Hopper (sm_90): per-thread register ceiling and opt-in shared memory per CTA.
 MAX_REGS_PER_THREAD = 255

@@ -27,16 +27,17 @@ from .inspect import compile_report  # noqa: E402, F401
 
 
 def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg) -> None:
-    key = KernelKey(
-        str(q.dtype).removeprefix("torch."),
-        cfg.head_dim,
-        cfg.tile_m,
-        cfg.tile_n,
-        causal,
-        cfg.variant,
-        cfg.num_stages,
-        cfg.intra_wg_overlap,
-        cfg.pingpong,
-    )
-    fn = get_kernel(key)
+    fn = get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg))
     fn(q, k, v, out, lse, softmax_scale, q.shape[2] // k.shape[2])
+
+
+class _DtypeNames(dict):
+    """torch dtype -> "float16"/"bfloat16", filled on first use so that importing needs no torch."""
+
+    def __missing__(self, dtype):
+        name = str(dtype).removeprefix("torch.")
+        self[dtype] = name
+        return name
+
+
+_DTYPE_NAMES = _DtypeNames()

@@ -30,6 +30,14 @@ class KernelKey(NamedTuple):
     intra_wg_overlap: bool = True
     pingpong: bool = True
 
+    @classmethod
+    def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
+        """The key of `cfg` (a `hopper_fmha.config.KernelConfig`) for a dtype name and mask."""
+        return cls(
+            dtype, cfg.head_dim, cfg.tile_m, cfg.tile_n, causal, cfg.variant,
+            cfg.num_stages, cfg.intra_wg_overlap, cfg.pingpong,
+        )  # fmt: skip
+
     def slug(self) -> str:
         c = "causal" if self.causal else "full"
         slug = f"{self.variant}_{self.dtype}_d{self.head_dim}_{self.tile_m}x{self.tile_n}_{c}"

@@ -182,17 +182,22 @@ def inspect_kernel(key: KernelKey) -> dict:
     return row
 
 
-def shipped_keys(dtype: str = "float16", causal: bool = False) -> list[KernelKey]:
-    """One paper-kernel key per head dim: the tile `config.PAPER_TILE_TABLE` picks for it."""
-    from hopper_fmha.config import PAPER_TILE_TABLE
+def shipped_keys(dtype: str = "float16", causal: bool = False, variants=("paper",)) -> list[KernelKey]:
+    """One key per variant and head dim: the configuration `config.select_config` picks for it."""
+    from hopper_fmha.config import SUPPORTED_HEAD_DIMS, select_config
 
-    return [KernelKey(dtype, d, m, n, causal, "paper") for d, (m, n) in sorted(PAPER_TILE_TABLE.items())]
+    return [
+        KernelKey.from_config(dtype, causal, select_config(d, variant))
+        for variant in variants
+        for d in SUPPORTED_HEAD_DIMS
+    ]
 
 
 def compile_report(keys: list[KernelKey] | None = None) -> list[dict]:
-    """`inspect_kernel` for each key (default: `shipped_keys()`); a failed compile is a row with `error`."""
+    """`inspect_kernel` for each key (default: both variants' shipped configs); a failed compile is a row
+    with `error`."""
     rows = []
-    for key in shipped_keys() if keys is None else keys:
+    for key in shipped_keys(variants=("paper", "ws")) if keys is None else keys:
         try:
             rows.append(inspect_kernel(key))
         except Exception as e:
