@@ -219,12 +219,29 @@ def test_presets():
     assert {p.dtype for p in sweep.problems} == {"float16", "bfloat16"}
     assert len(set(sweep.problems)) == len(sweep.problems)
 
+    # The seed paper's Table 1: the paper variant only, over its tiles.
     tiles = presets.get_preset("tiles")
     assert [p.head_dim for p in tiles.problems] == [64, 128, 256]
     assert not any(p.causal for p in tiles.problems)
-    assert len(tiles.backends) == len(VARIANTS) * len(PAPER_TILES) == len(set(tiles.backends))
-    assert "hopper-fmha:paper@128x64" in tiles.backends
+    assert tiles.backends == tuple(f"hopper-fmha:paper@{m}x{n}" for m, n in PAPER_TILES)
     registry.resolve_backends(tiles.backends)
+    # The ws variant's candidates; config rejects some per head dim (reported, not fatal).
+    ws = presets.tiles("ws")
+    assert ws.name == "tiles-ws" and ws.problems == tiles.problems
+    assert len(ws.backends) == 11 and all(b.startswith("hopper-fmha:ws@") for b in ws.backends)
+    assert {"hopper-fmha:ws@128x176", "hopper-fmha:ws@192x64", "hopper-fmha:ws@192x128"} <= set(ws.backends)
+    rejected = {}
+    for p in ws.problems:
+        for b in registry.resolve_backends(ws.backends):
+            try:
+                b.build(p, None, None, None)  # config check only; nothing runs
+            except BackendSkip as e:
+                assert e.status == "rejected", e.reason
+                rejected.setdefault(p.head_dim, []).append(b.name.partition("@")[2])
+    # (Which ones is hopper_fmha.config's business; some fit everywhere, d=256 rejects some.)
+    assert rejected.get(256) and len(rejected.get(64, [])) < len(ws.backends)
+    with pytest.raises(ValueError, match="sweeps the variants"):
+        presets.tiles("nope")
 
     with pytest.raises(ValueError, match="unknown preset"):
         presets.get_preset("nope")
@@ -239,7 +256,7 @@ PROFILE = {"compile_s": 12.5, "cached_load_s": 0.2, "launch_us": 21.0}
 def _rec(p: Problem, name: str, label: str, tf: float | None, status="ok", ours=False, graph_tf=None):
     def timed(rate):
         ms = p.flops / (rate * 1e12) * 1e3
-        return timing.summarize([ms * 1.01, ms, ms * 0.99], 1)
+        return timing.summarize([], 1, rounds=[[ms * 1.01, ms], [ms, ms * 0.99], [ms * 0.98, ms]])
 
     return {
         "problem": p.to_dict(), "backend": name, "label": label, "ours": ours, "flops": p.flops,
@@ -262,13 +279,14 @@ def _synthetic() -> dict:
     results["records"] = [
         _rec(p1, "hopper-fmha:paper", "paper", 600.0, ours=True, graph_tf=640.0),
         _rec(p1, "sdpa-flash", "FA2", 300.0, graph_tf=310.0),
-        _rec(p1, "sdpa-cudnn", "cuDNN", 500.0),
-        _rec(p1, "fa4", "FA4", 550.0),
+        _rec(p1, "sdpa-cudnn", "cuDNN", 500.0, graph_tf=520.0),
+        _rec(p1, "fa4", "FA4", 550.0, graph_tf=600.0),
         _rec(p1, "fa3", "FA3", None, status="skipped"),
-        _rec(p2, "hopper-fmha:paper", "paper", 450.0, ours=True),
-        _rec(p2, "sdpa-flash", "FA2", 250.0),
-        _rec(p2, "sdpa-cudnn", "cuDNN", 400.0),
-        _rec(p2, "fa4", "FA4", 900.0, status="wrong"),  # wrong results never count as the best peer
+        _rec(p2, "hopper-fmha:paper", "paper", 450.0, ours=True),  # not captured: eager, marked (e)
+        _rec(p2, "sdpa-flash", "FA2", 250.0, graph_tf=260.0),
+        _rec(p2, "sdpa-cudnn", "cuDNN", 400.0, graph_tf=470.0),
+        # Wrong results never count as the best peer.
+        _rec(p2, "fa4", "FA4", 900.0, status="wrong", graph_tf=950.0),
         _rec(p2, "fa3", "FA3", None, status="skipped"),
     ]
     results["complete"] = True
@@ -285,21 +303,77 @@ def test_json_round_trip_and_markdown_ratios(tmp_path):
     assert loaded == json.loads(json.dumps(results))
     md = report.render_markdown(loaded)
     assert md == report.render_markdown(results)
-    row1 = next(line for line in md.splitlines() if line.startswith("| 4 | 4096 | 32 | 64 | no |"))
-    # 600 / 300 FA2 = 2.00x; best of cuDNN 500, FA4 550 = 550: 600 / 550 = 1.09x.
-    assert row1.endswith("| 600.0 | 300.0 | 500.0 | 550.0 | 2.00× | 1.09× |")
-    row2 = next(line for line in md.splitlines() if line.startswith("| 4 | 4096 | 32 | 64 | yes |"))
-    # FA4 is wrong here: the best peer is cuDNN, 450 / 400 = 1.12x; 450 / 250 = 1.80x.
-    assert row2.endswith("| 450.0 | 250.0 | 400.0 | 900.0 ✗ | 1.80× | 1.12× |")
-    assert "## TFLOP/s, CUDA-graph replays" in md and "**750.0 TFLOP/s**" in md
+    # Two tables: CUDA graph first (its ratios are the claims), then eager.
+    graph_md, eager_md = md.split("## TFLOP/s, CUDA-graph replays")[1].split("## TFLOP/s, eager calls")
+    assert "ratios use kernel time (cuda graph); eager includes host overhead" in md.lower()
+
+    def row(table, causal):
+        return next(x for x in table.splitlines() if x.startswith(f"| 4 | 4096 | 32 | 64 | {causal} |"))
+
+    # Graph: 640 / 310 FA2 = 2.06x; best of cuDNN 520, FA4 600 = 600: 640 / 600 = 1.07x.
+    assert row(graph_md, "no").endswith("| 640.0 | 310.0 | 520.0 | 600.0 | 2.06× | 1.07× |")
+    # Ours has no graph here: its eager 450 stands in, marked; FA4 is wrong, so the best is
+    # cuDNN's graph 470: 450 / 470 = 0.96x; 450 / 260 = 1.73x.
+    assert row(graph_md, "yes").endswith("| 450.0 (e) | 260.0 | 470.0 | 950.0 ✗ | 1.73× (e) | 0.96× (e) |")
+    # Eager: 600 / 300 = 2.00x, 600 / 550 = 1.09x; 450 / 250 = 1.80x, 450 / 400 = 1.12x.
+    assert row(eager_md, "no").endswith("| 600.0 | 300.0 | 500.0 | 550.0 | 2.00× | 1.09× |")
+    assert row(eager_md, "yes").endswith("| 450.0 | 250.0 | 400.0 | 900.0 ✗ | 1.80× | 1.12× |")
+    assert "**750.0 TFLOP/s**" in md
     assert "`fa3` (all problems): skipped for a reason" in md
     assert "| 80.0% | 85.3% |" in md  # profile: 600/750 and 640/750
+    assert "| 1.5% / 1.5% |" in md  # round spread: per-round medians 1.005, 0.995, 0.99 of the median
     term = report.render_terminal(results)
-    assert "2.00" in term and "1.09" in term and "80%" in term
+    lines = term.splitlines()
+    assert lines[0].split() == ["problem", "backend", "eager", "graph", "%mm", "÷FA2", "÷best", "÷best(e)",
+                                "err/tol", "status"]  # fmt: skip
+    ours1 = next(x for x in lines if "hopper-fmha:paper" in x and "causal" not in x)
+    assert ours1.split()[6:13] == ["600.0", "640.0", "85%", "2.06", "1.07", "1.09", "0.50"]
+    ours2 = next(x for x in lines if "hopper-fmha:paper" in x and "causal" in x)
+    assert "0.96 (e)" in ours2 and "1.12" in ours2
+    assert "ratios use kernel time (CUDA graph)" in term
     with pytest.raises(ValueError, match="schema"):
         bad = tmp_path / "bad.json"
         bad.write_text("{}")
         report.load_results(bad)
+
+
+def test_claims_summary():
+    results = _synthetic()
+    (g, e) = report.claims_summary(results)["rows"]
+    # Graph: 640/600 and 450 (e) / 470; eager: 600/550 and 450/400.
+    assert g["backend"] == "hopper-fmha:paper" and g["subset"] == "all" and g["mode"] == "graph"
+    assert g["geomean"] == pytest.approx((640 / 600 * 450 / 470) ** 0.5, abs=1e-4)
+    assert (g["wins"], g["problems"], g["of"], g["eager_fallbacks"]) == (1, 2, 2, 1)
+    assert e["geomean"] == pytest.approx((600 / 550 * 450 / 400) ** 0.5, abs=1e-4) and e["wins"] == 2
+    term = report.render_terminal(results)
+    assert (
+        "hopper-fmha:paper  all  graph 1.011× (≥ best on 1/2, 1 eager)  eager 1.108× (≥ best on 2/2)" in term
+    )
+    assert "| `hopper-fmha:paper` | all | 2/2 | 1.011× | 1/2 | 1.108× | 2/2 | 1 |" in report.render_markdown(
+        results
+    )
+
+    # The sweep: also N ≥ 2048 and N in {512, 1024}; ours is 1.1x the best at long N, 0.8x at short.
+    sweep = _synthetic()
+    sweep["preset"] = "sweep"
+    sweep["records"] = []
+    for p in presets.sweep().problems:
+        f = 1.1 if p.seqlen_q >= 2048 else 0.8
+        sweep["records"] += [
+            _rec(p, "hopper-fmha:paper", "paper", 400.0 * f, ours=True, graph_tf=500.0 * f),
+            _rec(p, "sdpa-cudnn", "cuDNN", 380.0, graph_tf=450.0),
+            _rec(p, "fa4", "FA4", 400.0, graph_tf=500.0),
+        ]
+    rows = {(r["subset"], r["mode"]): r for r in report.claims_summary(sweep)["rows"]}
+    assert set(rows) == {(s, m) for s in ("all", "N≥2048", "N∈{512,1024}") for m in ("graph", "eager")}
+    for mode in ("graph", "eager"):
+        assert rows[("N≥2048", mode)]["geomean"] == pytest.approx(1.1)
+        assert (rows[("N≥2048", mode)]["wins"], rows[("N≥2048", mode)]["problems"]) == (48, 48)
+        assert rows[("N∈{512,1024}", mode)]["geomean"] == pytest.approx(0.8)
+        assert rows[("N∈{512,1024}", mode)]["wins"] == 0
+        assert rows[("all", mode)]["geomean"] == pytest.approx(1.1 ** (2 / 3) * 0.8 ** (1 / 3), abs=1e-4)
+        assert rows[("all", mode)]["problems"] == 72
+    assert len(report.summary_lines(sweep)) == 1 + 3
 
 
 def _tiles_results() -> dict:
@@ -317,10 +391,19 @@ def _tiles_results() -> dict:
 
 
 def test_tile_grid_markdown():
-    md = report.render_markdown(_tiles_results())
-    assert "## Tiles, variant `paper`" in md
+    results = _tiles_results()
+    md = report.render_markdown(results)
+    assert "## Tiles, variant `paper` (seed paper Table 1), TFLOP/s (eager), best in bold" in md
     assert "| B4 N4096 H8 d256 fp16 | **540.0** | 461.0 | 57.0 | rejected |" in md
     assert "| B4 N4096 H16 d128 fp16 | **493.0** |" in md
+    # With graph timings the grid shows graph time, eager marked (e) where a tile was not captured.
+    for rec in results["records"]:
+        if rec["eager"] and rec["backend"] != "hopper-fmha:paper@64x64":
+            rec["graph"] = {**rec["eager"], "median_ms": rec["eager"]["median_ms"] / 2}
+    md = report.render_markdown(results)
+    assert "TFLOP/s (CUDA graph; (e) eager where no graph), best in bold" in md
+    assert "| B4 N4096 H32 d64 fp16 | 391.0 (e) | 858.0 | 814.0 | **862.0** |" in md
+    assert not report.claims_summary(results)["rows"]  # no peers: no summary
 
 
 def test_plots_are_small_pngs(tmp_path):
@@ -362,6 +445,19 @@ def test_register_wires_the_bench_subcommand():
     name, problems, names = bench_cli.plan(args)
     assert name == "sweep" and len(problems) == 72 and names == ["fa2", "cudnn"]
     assert bench_cli.timing_settings(args) == timing.TimingSettings.quick()
+    assert timing.TimingSettings.quick().rounds == 1 and timing.TimingSettings().rounds == 3
+    assert timing.TimingSettings().per_round == 10  # 30 samples over 3 rounds
+    settings = bench_cli.timing_settings(_parser().parse_args(["bench", "--rounds", "4", "--iters", "10"]))
+    assert (settings.rounds, settings.per_round) == (4, 3)
+    with pytest.raises(ValueError, match="--rounds must be at least 1"):
+        bench_cli.timing_settings(_parser().parse_args(["bench", "--rounds", "0"]))
+
+    name, problems, names = bench_cli.plan(_parser().parse_args(["bench", "--preset", "tiles"]))
+    assert name == "tiles" and names == [f"hopper-fmha:paper@{m}x{n}" for m, n in PAPER_TILES]
+    name, _, names = bench_cli.plan(_parser().parse_args(["bench", "--preset", "tiles", "--variant", "ws"]))
+    assert name == "tiles-ws" and names == list(presets.tiles("ws").backends)
+    with pytest.raises(ValueError, match="drop --tile"):
+        bench_cli.plan(_parser().parse_args(["bench", "--preset", "tiles", "--tile", "128x64"]))
 
     args = _parser().parse_args(
         "bench --seqlen 512 1024 --seqlen-k 2048 --headdim 64 --kv-heads 4 --causal --dtype bf16 "
@@ -412,15 +508,36 @@ def test_whole_run_on_cpu(tmp_path, monkeypatch):
     ours_wrong = _fake("hopper-fmha:fake", lambda q, k, v, c: (torch.ones_like(q), None), ours=True)
     backends = [good, wrong, ours_wrong, registry.REGISTRY["sdpa-flash"], registry.REGISTRY["fa3"]]
     problems = (SMALL, Problem(1, 40, 72, 2, 2, 64, causal=True, dtype="bfloat16"))
-    args = SimpleNamespace(no_graph=False, seed=0, tag="t", out=str(tmp_path), profile=True, no_plot=False)
+    args = SimpleNamespace(
+        no_graph=False, seed=0, tag="t", out=str(tmp_path), profile=True, no_plot=False, archive=True
+    )
+    settings = timing.TimingSettings(warmup=1, iters=4, min_sample_ms=0.1, max_calls_per_sample=4, rounds=2)
     code = bench_cli.execute(
-        args, "custom", problems, backends, timing.TimingSettings.quick(), device="cpu",
+        args, "custom", problems, backends, settings, device="cpu",
         timer=timing.CpuTimer(), reference=reference,
     )  # fmt: skip
     assert code == 1  # a hopper-fmha backend failed its check
     (json_path,) = tmp_path.glob("custom-h200-*-t.json")
     results = report.load_results(json_path)
     assert results["complete"] and len(results["records"]) == 2 * len(backends)
+    assert results["settings"]["rounds"] == 2
+    good_rec = next(r for r in results["records"] if r["backend"] == "good")
+    assert good_rec["eager"]["rounds"] == 2 and len(good_rec["eager"]["samples_ms"]) == 4
+    assert len(good_rec["eager"]["round_medians_ms"]) == 2 and good_rec["eager"]["samples_per_round"] == [
+        2,
+        2,
+    ]
+    # No peer of BEST_PEERS ran, so the summary has no rows, but it is there.
+    assert results["summary"] == report.claims_summary(results) and results["summary"]["rows"] == []
+    # --archive: the whole run in one file.
+    import tarfile
+
+    (archive,) = tmp_path.glob("custom-h200-*-t.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = sorted(tar.getnames())
+    assert json_path.name in names and json_path.with_suffix(".md").name in names
+    if __import__("importlib").util.find_spec("matplotlib"):
+        assert any(n.endswith("-bfloat16.png") for n in names)
     status = {(r["backend"], r["problem"]["seqlen_k"]): r["status"] for r in results["records"]}
     assert status[("good", 67)] == status[("good", 72)] == "ok"
     assert status[("wrong", 67)] == "wrong" and status[("hopper-fmha:fake", 67)] == "wrong"
@@ -496,6 +613,59 @@ def test_cuda_paths_with_fakes(fake_cuda):
     assert rec["profile"]["launch_us"] > 0
 
 
+def test_round_schedule():
+    rounds = list(timing.round_schedule(3, 3))
+    assert rounds[0] == [(0, "eager"), (0, "graph"), (1, "eager"), (1, "graph"), (2, "eager"), (2, "graph")]
+    assert rounds[1] == [(1, "graph"), (1, "eager"), (2, "graph"), (2, "eager"), (0, "graph"), (0, "eager")]
+    assert rounds[2][:2] == [(2, "eager"), (2, "graph")]
+
+
+def test_problem_is_timed_in_interleaved_rounds(fake_cuda, monkeypatch):
+    import gc
+    import weakref
+
+    log = []
+    graphs = []
+
+    class Graph(_FakeGraph):
+        def __init__(self):
+            graphs.append(weakref.ref(self))
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    real_block = runner._block
+
+    def block(entry, mode, count, timer):
+        log.append((entry.backend.name, mode))
+        real_block(entry, mode, count, timer)
+
+    monkeypatch.setattr(runner, "_block", block)
+    backends = [
+        _fake("a", runner.lowp_attention),
+        _fake("skip", lambda q, k, v, c: (_ for _ in ()).throw(RuntimeError("no"))),
+        _fake("b", runner.lowp_attention, ours=True),
+    ]
+    sets = runner.make_inputs(SMALL, 2, "cpu", seed=0)
+    settings = timing.TimingSettings(warmup=1, iters=5, min_sample_ms=0.01, max_calls_per_sample=2, rounds=2)
+    recs = runner.run_problem(
+        SMALL, backends, sets, _checker(SMALL, sets), timing.CudaTimer(), settings, graph=True,
+        heat=lambda: log.append("heat"),
+    )  # fmt: skip
+    # Pre-heat once, then round 0 from backend a with eager first, round 1 from b with graph first.
+    assert log == ["heat", ("a", "eager"), ("a", "graph"), ("b", "eager"), ("b", "graph"),
+                   ("b", "graph"), ("b", "eager"), ("a", "graph"), ("a", "eager")]  # fmt: skip
+    assert [r["backend"] for r in recs] == ["a", "skip", "b"]
+    assert [r["status"] for r in recs] == ["ok", "skipped", "ok"]
+    for rec in (recs[0], recs[2]):
+        for mode in ("eager", "graph"):
+            t = rec[mode]
+            assert t["rounds"] == 2 and t["samples_per_round"] == [3, 3] and len(t["samples_ms"]) == 6
+            assert len(t["round_medians_ms"]) == 2
+    # One graph per timed backend, captured once, freed with the problem.
+    assert len(graphs) == 2
+    gc.collect()
+    assert all(g() is None for g in graphs)
+
+
 def test_graph_capture_failure_is_reported_not_fatal(fake_cuda, monkeypatch):
     def broken_graph(g):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -543,6 +713,9 @@ def test_lost_cuda_context_stops_the_run_and_keeps_records(tmp_path, monkeypatch
     assert code == 3
     (json_path,) = tmp_path.glob("*.json")
     results = report.load_results(json_path)
-    assert not results["complete"] and [r["status"] for r in results["records"]] == ["ok", "skipped"]
+    # The crash happened while preparing the second backend: the first was never timed.
+    assert not results["complete"] and [r["status"] for r in results["records"]] == ["error", "skipped"]
+    assert results["records"][0]["check"]["passed"]
+    assert results["records"][0]["reason"].startswith("not timed: the CUDA context was lost")
     assert "(CUDA context lost)" in results["records"][1]["reason"]
     assert "incomplete run" in json_path.with_suffix(".md").read_text()

@@ -3,9 +3,10 @@
 flops     the one FLOP formula
 registry  backends by name (this package, SDPA flash/efficient/cuDNN, FA4, FA3) and `Problem`
 presets   the paper / sweep / tiles grids
-timing    CUDA-event timing of eager calls and CUDA-graph replays, input rotation, matmul rate
+timing    CUDA-event timing of eager calls and CUDA-graph replays, interleaved rounds,
+          input rotation, pre-heat and matmul rate
 runner    inputs, correctness check against the reference, one record per (problem, backend)
-report    JSON file, Markdown and terminal tables
+report    JSON file, Markdown and terminal tables, the claims summary
 plots     PNG charts (matplotlib, optional)
 cli       the `bench` subcommand
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import tarfile
 from pathlib import Path
 
-from hopper_fmha.bench.presets import PRESETS, custom_problems, get_preset
+from hopper_fmha.bench.presets import PRESETS, custom_problems, get_preset, tiles
 from hopper_fmha.bench.registry import DEFAULT_BACKENDS, canonical_dtype, parse_tile, resolve_backends
 from hopper_fmha.bench.report import (
+    claims_summary,
     load_results,
     matmul_rate,
     new_results,
@@ -30,11 +32,17 @@ presets:
   paper   B=4 N=4096 fp16, d/heads 64/32, 128/16, 256/8, causal off and on (6 problems)
   sweep   16k tokens, hidden 2048: N 512..16384, B=16384/N, d 64/128/256, causal off/on,
           fp16 and bf16 (72 problems)
-  tiles   the seed paper's Table 1: every tile at every head dim, paper shape, this package only
+  tiles   the seed paper's Table 1: the paper variant at every tile and head dim, paper shape,
+          this package only; with --variant ws, the ws variant's candidate tiles instead
 
 backends (--backends, comma separated): hopper-fmha (every variant), hopper-fmha:<variant>,
   hopper-fmha:<variant>@<M>x<N>, sdpa-flash (FA2), sdpa-efficient (CUTLASS mem-eff),
   sdpa-cudnn, fa4, fa3. Default: hopper-fmha, sdpa-flash, sdpa-efficient, sdpa-cudnn, fa4, fa3.
+
+timing: per problem every backend is checked, warmed up and captured, then the GPU is pre-heated
+  (0.3 s of matmuls) and all backends are timed in --rounds interleaved rounds (eager and graph
+  blocks, the first backend rotating, eager/graph order alternating). Ratios use kernel time
+  (CUDA graph); eager includes host overhead.
 
 exit status: 0 done, 1 a hopper-fmha result failed its correctness check, 2 usage error or
 no CUDA GPU, 3 the CUDA context was lost (partial results written), 130 interrupted.
@@ -60,11 +68,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     what.add_argument("--causal", action="store_true", help="causal (bottom-right aligned)")
     what.add_argument("--dtype", nargs="+", help="float16 / bfloat16 (default float16)")
     what.add_argument("--backends", nargs="+", help="backend names, comma or space separated")
-    what.add_argument("--variant", help="only this hopper-fmha variant")
+    what.add_argument(
+        "--variant", help="only this hopper-fmha variant (--preset tiles: whose tiles to sweep)"
+    )
     what.add_argument("--tile", help="hopper-fmha tile override, e.g. 128x64")
     how = p.add_argument_group("how")
     how.add_argument("--warmup", type=int, help="warm-up calls per step (default 5)")
-    how.add_argument("--iters", type=int, help="timed samples per step (default 30)")
+    how.add_argument("--iters", type=int, help="timed samples per mode, all rounds together (default 30)")
+    how.add_argument(
+        "--rounds", type=int, help="interleaved timing rounds per problem (default 3, --quick 1)"
+    )
     how.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     how.add_argument("--quick", action="store_true", help="few iterations: a smoke test, not a measurement")
     how.add_argument(
@@ -77,6 +90,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     out.add_argument("--tag", help="appended to the file names")
     out.add_argument("--no-plot", action="store_true", help="no PNG charts")
+    out.add_argument(
+        "--archive", action="store_true", help="also write <stem>.tar.gz holding the JSON, Markdown and PNGs"
+    )
     out.add_argument(
         "--from-json", metavar="FILE", help="re-render Markdown, PNGs and the table from a saved run (no GPU)"
     )
@@ -98,7 +114,9 @@ def plan(args) -> tuple[str, tuple, list[str]]:
         if free:
             flags = ", ".join("--" + f.replace("_", "-") for f in free)
             raise ValueError(f"--preset {args.preset} fixes the problems; drop {flags}")
-        preset = get_preset(args.preset)
+        if args.preset == "tiles" and args.tile:
+            raise ValueError("--preset tiles sweeps the tiles; drop --tile")
+        preset = tiles(args.variant or "paper") if args.preset == "tiles" else get_preset(args.preset)
         name, problems, names = preset.name, preset.problems, list(preset.backends or DEFAULT_BACKENDS)
     else:
         problems = custom_problems(
@@ -114,7 +132,7 @@ def plan(args) -> tuple[str, tuple, list[str]]:
         name, names = "custom", list(DEFAULT_BACKENDS)
     if args.backends:
         names = _split(args.backends)
-    if args.variant or args.tile:
+    if (args.variant or args.tile) and args.preset != "tiles":
         names = _select_ours(names, args.variant, args.tile)
     return name, problems, names
 
@@ -149,9 +167,10 @@ def _select_ours(names: list[str], variant: str | None, tile: str | None) -> lis
 
 def timing_settings(args) -> TimingSettings:
     s = TimingSettings.quick() if args.quick else TimingSettings()
-    changes = {k: getattr(args, k) for k in ("warmup", "iters") if getattr(args, k) is not None}
-    if changes.get("iters", 1) < 1 or changes.get("warmup", 0) < 0:
-        raise ValueError("--iters must be at least 1 and --warmup at least 0")
+    keys = ("warmup", "iters", "rounds")
+    changes = {k: getattr(args, k, None) for k in keys if getattr(args, k, None) is not None}
+    if changes.get("iters", 1) < 1 or changes.get("warmup", 0) < 0 or changes.get("rounds", 1) < 1:
+        raise ValueError("--iters and --rounds must be at least 1 and --warmup at least 0")
     return TimingSettings(**{**s.__dict__, **changes})
 
 
@@ -187,19 +206,35 @@ class Progress:
             self.bar.close()
 
 
-def _render(results: dict, out_dir: Path, stem: str, plot: bool) -> None:
+def _render(results: dict, out_dir: Path, stem: str, plot: bool) -> list[Path]:
+    """Markdown, terminal table and PNGs; returns the files written."""
     md = out_dir / f"{stem}.md"
     write_markdown(results, md)
     print(render_terminal(results))
     print(f"wrote {md}")
+    paths = [md]
     if plot:
         from hopper_fmha.bench.plots import write_plots
 
-        paths, why = write_plots(results, out_dir, stem)
-        for path in paths:
+        pngs, why = write_plots(results, out_dir, stem)
+        for path in pngs:
             print(f"wrote {path}")
         if why:
             print(why)
+        paths += pngs
+    return paths
+
+
+def write_archive(paths: list[Path], out_dir: Path, stem: str) -> Path:
+    """<stem>.tar.gz holding `paths` by file name: a run in one file."""
+    archive = Path(out_dir) / f"{stem}.tar.gz"
+    tmp = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for path in dict.fromkeys(Path(p) for p in paths):
+            tar.add(path, arcname=path.name)
+    tmp.replace(archive)
+    print(f"wrote {archive}")
+    return archive
 
 
 def _from_json(args) -> int:
@@ -211,7 +246,9 @@ def _from_json(args) -> int:
         return 2
     out_dir = Path(args.out) if args.out else path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    _render(results, out_dir, path.stem, not args.no_plot)
+    paths = _render(results, out_dir, path.stem, not args.no_plot)
+    if getattr(args, "archive", False):
+        write_archive([path, *paths], out_dir, path.stem)
     return 0
 
 
@@ -243,7 +280,7 @@ def run(args) -> int:
 def execute(args, preset, problems, backends, settings, *, device, timer=None, reference=None) -> int:
     """The run proper; `device`, `timer` and `reference` are parameters so it runs on CPU in tests."""
     from hopper_fmha.bench.runner import CudaContextLost, collect_env, run_suite
-    from hopper_fmha.bench.timing import CudaTimer, measure_matmul
+    from hopper_fmha.bench.timing import CudaTimer, MatmulLoad, measure_matmul
 
     timer = timer or CudaTimer()
     graph = device == "cuda" and not args.no_graph
@@ -261,14 +298,21 @@ def execute(args, preset, problems, backends, settings, *, device, timer=None, r
     )
     print(f"backends: {', '.join(b.name for b in backends)}")
     memory_budget = None
+    load = heat = None
     if device == "cuda":
         import torch
 
         try:
-            results["matmul"] = measure_matmul(device, timer, settings)
-            print(f"cuBLAS fp16 matmul: {results['matmul']['tflops']:.1f} TFLOP/s")
+            load = MatmulLoad(device)
+            results["matmul"] = measure_matmul(device, timer, settings, load=load)
+            print(f"cuBLAS fp16 matmul: {results['matmul']['tflops']:.1f} TFLOP/s (pre-heated)")
         except Exception as e:  # the attention numbers stand without it
             print(f"cuBLAS fp16 matmul failed ({type(e).__name__}: {e}); no % of matmul in this run")
+        if load is not None:
+
+            def heat() -> None:
+                load.heat(timer, settings.preheat_ms)
+
         memory_budget = int(torch.cuda.mem_get_info()[0] * 0.3)
     progress = Progress(len(problems) * len(backends), matmul_rate(results))
 
@@ -282,11 +326,11 @@ def execute(args, preset, problems, backends, settings, *, device, timer=None, r
         run_suite(
             problems, backends, settings, timer, device,
             graph=graph, profile=args.profile, reference=reference, seed=args.seed,
-            l2_bytes=env.get("l2_bytes") or 50 * 2**20, memory_budget=memory_budget,
+            l2_bytes=env.get("l2_bytes") or 50 * 2**20, memory_budget=memory_budget, heat=heat,
             on_start=progress.start, on_record=on_record,
         )  # fmt: skip
         if results["matmul"]:
-            results["matmul_end"] = measure_matmul(device, timer, settings)
+            results["matmul_end"] = measure_matmul(device, timer, settings, load=load)
         results["complete"] = True
     except CudaContextLost as e:
         print(
@@ -298,9 +342,12 @@ def execute(args, preset, problems, backends, settings, *, device, timer=None, r
         code = 130
     finally:
         progress.close()
+        results["summary"] = claims_summary(results)
         write_json(results, json_path)
         print(f"wrote {json_path}")
-        _render(results, out_dir, stem, not args.no_plot)
+        paths = _render(results, out_dir, stem, not args.no_plot)
+        if getattr(args, "archive", False):
+            write_archive([json_path, *paths], out_dir, stem)
     if code == 0 and any(r["ours"] and r["status"] == "wrong" for r in results["records"]):
         print("hopper-fmha bench: a hopper-fmha result failed its correctness check", file=sys.stderr)
         code = 1

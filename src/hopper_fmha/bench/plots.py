@@ -1,13 +1,25 @@
 """PNG charts from a results dict: grouped bars of TFLOP/s per backend (like the seed paper's
 figures, one panel per head dim and causal setting, one chart per dtype) and the Table-1 tile
-grid. matplotlib is imported here only, and without it the plots are skipped."""
+grid. Like the ratios, the charts show CUDA-graph time (kernel time), eager time (dotted bars,
+"(e)") only for a backend that could not be captured. matplotlib is imported here only, and
+without it the plots are skipped."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from hopper_fmha.bench.report import backends_in, by_problem, matmul_rate, rate, tile_grids
+from hopper_fmha.bench.report import (
+    PRIMARY,
+    backends_in,
+    by_problem,
+    fell_back,
+    has_graph,
+    matmul_rate,
+    mode_text,
+    rate,
+    tile_grids,
+)
 
 DPI = 100
 
@@ -28,7 +40,7 @@ def _x_label(p, panel) -> str:
     return label
 
 
-def plot_bars(results: dict, path: Path, dtype: str, mode: str = "eager") -> Path | None:
+def plot_bars(results: dict, path: Path, dtype: str, mode: str = PRIMARY) -> Path | None:
     """One chart for one dtype: panels (causal x head dim), x = seqlen, bars = backends."""
     groups = [(p, recs) for p, recs in by_problem(results) if p.dtype == dtype]
     backends = [b for b in backends_in(results) if "@" not in b[0]]
@@ -56,7 +68,8 @@ def plot_bars(results: dict, path: Path, dtype: str, mode: str = "eager") -> Pat
                     if v is not None:
                         xs.append(j + (i - (len(backends) - 1) / 2) * width)
                         ys.append(v)
-                        hatches.append("//" if recs[name]["status"] == "wrong" else "")
+                        wrong = recs[name]["status"] == "wrong"
+                        hatches.append("//" if wrong else ".." if fell_back(recs[name], mode) else "")
                 bars = ax.bar(xs, ys, width, label=label, color=colors[i % 10])
                 for bar, h in zip(bars, hatches, strict=True):
                     bar.set_hatch(h)
@@ -71,12 +84,13 @@ def plot_bars(results: dict, path: Path, dtype: str, mode: str = "eager") -> Pat
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right upper", fontsize=7)
     env = results["env"]
-    fig.suptitle(f"{results['preset']}, {dtype}, {mode}: {env.get('device', '?')}", fontsize=10)
+    what = "CUDA graph; dotted: eager, not captured" if mode == PRIMARY else mode_text(mode)
+    fig.suptitle(f"{results['preset']}, {dtype}, TFLOP/s ({what}): {env.get('device', '?')}", fontsize=10)
     fig.savefig(path, dpi=DPI)
     return Path(path)
 
 
-def plot_tiles(results: dict, path: Path, mode: str = "eager") -> Path | None:
+def plot_tiles(results: dict, path: Path, mode: str = PRIMARY) -> Path | None:
     """The Table-1 grid: TFLOP/s per problem (rows) and tile (columns), one panel per variant."""
     import numpy as np
 
@@ -87,14 +101,14 @@ def plot_tiles(results: dict, path: Path, mode: str = "eager") -> Path | None:
     fig = _figure(1.3 * max(len(t) for _, t, _, _ in grids) * len(grids) + 1.5, 0.55 * nrows + 1.2)
     axes = fig.subplots(1, len(grids), squeeze=False)[0]
     for ax, (variant, tiles, _, cells) in zip(axes, grids, strict=True):
-        probs = list(dict.fromkeys(p for p, _, _, _ in cells))
+        probs = list(dict.fromkeys(p for p, *_ in cells))
         grid = np.full((len(probs), len(tiles)), np.nan)
         text = [["" for _ in tiles] for _ in probs]
-        for p, t, v, status in cells:
+        for p, t, v, status, fallback in cells:
             i, j = probs.index(p), tiles.index(t)
             if v is not None:
                 grid[i, j] = v
-                text[i][j] = f"{v:.0f}" + (" ✗" if status == "wrong" else "")
+                text[i][j] = f"{v:.0f}" + (" ✗" if status == "wrong" else "") + (" (e)" if fallback else "")
             else:
                 text[i][j] = status or ""
         finite = grid[np.isfinite(grid)]
@@ -114,7 +128,7 @@ def plot_tiles(results: dict, path: Path, mode: str = "eager") -> Path | None:
             range(len(probs)), [f"d={p.head_dim}" if same_shape else p.label() for p in probs], fontsize=8
         )
         ax.set_xlabel("tile (QBLK x KBLK)", fontsize=8)
-        ax.set_title(f"hopper-fmha:{variant}, TFLOP/s ({mode})", fontsize=9)
+        ax.set_title(f"hopper-fmha:{variant}, TFLOP/s ({mode_text(mode)})", fontsize=9)
     fig.savefig(path, dpi=DPI)
     return Path(path)
 
@@ -126,12 +140,13 @@ def write_plots(results: dict, out_dir: Path, stem: str) -> tuple[list[Path], st
     except ImportError:
         return [], "matplotlib not installed: no PNG charts (re-render later with --from-json)"
     out_dir = Path(out_dir)
+    mode = PRIMARY if has_graph(results) else "eager"
     paths = []
     for dtype in dict.fromkeys(p.dtype for p, _ in by_problem(results)):
-        path = plot_bars(results, out_dir / f"{stem}-{dtype}.png", dtype)
+        path = plot_bars(results, out_dir / f"{stem}-{dtype}.png", dtype, mode)
         if path:
             paths.append(path)
-    path = plot_tiles(results, out_dir / f"{stem}-tiles.png")
+    path = plot_tiles(results, out_dir / f"{stem}-tiles.png", mode)
     if path:
         paths.append(path)
     return paths, None

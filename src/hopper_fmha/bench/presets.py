@@ -3,8 +3,10 @@
 paper: the seed paper's shape, B=4, N=4096, hidden 2048, fp16, d = 64/128/256, causal off and on.
 sweep: FlashAttention-3's grid, 16k tokens and hidden 2048 at every length: N = 512..16384 with
        B = 16384/N and H = 2048/d, d = 64/128/256, causal off and on, fp16 and bf16.
-tiles: the seed paper's Table 1: every tile of PAPER_TILES at every head dim, paper shape,
-       non-causal fp16, this package only (tiles that do not fit are reported as rejected).
+tiles: the seed paper's Table 1: the paper variant at every tile of PAPER_TILES and every head
+       dim, paper shape, non-causal fp16, this package only (tiles that do not fit are reported
+       as rejected). `tiles("ws")` (`--preset tiles --variant ws`) sweeps the ws variant's
+       candidate tiles instead (preset name "tiles-ws").
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ HIDDEN = 2048
 TOKENS = 16384
 HEAD_DIMS = (64, 128, 256)
 SWEEP_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+# The ws variant's candidate tiles: tile_m 128 (2 consumer warpgroups) with tile_n 64..176, and
+# tile_m 192 (3 consumer warpgroups); hopper_fmha.config rejects those that do not fit a head dim.
+WS_TILES = (
+    (128, 64), (128, 80), (128, 96), (128, 112), (128, 128), (128, 144), (128, 160), (128, 176),
+    (192, 64), (192, 96), (192, 128),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -47,12 +55,19 @@ def sweep() -> Preset:
     return Preset("sweep", tuple(problems))
 
 
-def tiles() -> Preset:
-    from hopper_fmha.config import PAPER_TILES, VARIANTS
+def tile_candidates(variant: str) -> tuple[tuple[int, int], ...]:
+    from hopper_fmha.config import PAPER_TILES
 
+    candidates = {"paper": PAPER_TILES, "ws": WS_TILES}
+    if variant not in candidates:
+        raise ValueError(f"--preset tiles sweeps the variants {tuple(candidates)}, not {variant!r}")
+    return tuple(candidates[variant])
+
+
+def tiles(variant: str = "paper") -> Preset:
     problems = [_problem(4, 4096, d, False, "float16") for d in HEAD_DIMS]
-    backends = tuple(f"hopper-fmha:{v}@{m}x{n}" for v in VARIANTS for m, n in PAPER_TILES)
-    return Preset("tiles", tuple(problems), backends)
+    backends = tuple(f"hopper-fmha:{variant}@{m}x{n}" for m, n in tile_candidates(variant))
+    return Preset("tiles" if variant == "paper" else f"tiles-{variant}", tuple(problems), backends)
 
 
 PRESETS = {"paper": paper, "sweep": sweep, "tiles": tiles}

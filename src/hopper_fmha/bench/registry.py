@@ -64,6 +64,11 @@ class Problem:
         kv = self.batch * self.seqlen_k * self.kv_heads * self.head_dim
         return 2 * (2 * q_like + 2 * kv)
 
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the output (what a captured graph keeps alive per call)."""
+        return 2 * self.batch * self.seqlen_q * self.heads * self.head_dim
+
     def label(self) -> str:
         seq = (
             f"N{self.seqlen_q}" if self.seqlen_q == self.seqlen_k else f"Nq{self.seqlen_q} Nk{self.seqlen_k}"

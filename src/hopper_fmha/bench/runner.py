@@ -1,6 +1,11 @@
 """Run a grid of problems over a list of backends: inputs, correctness check, timings.
 
-Every (problem, backend) step yields one record (a plain dict, the unit of the JSON file):
+Per problem, every backend is first prepared in turn (built, checked for correctness, warmed up,
+its eager samples sized and its CUDA graph captured); then the GPU is pre-heated and the
+backends are timed together in interleaved rounds (`timing.round_schedule`), so that clock
+drift under sustained load falls on all of them alike. The graphs live until the problem is done.
+
+Every (problem, backend) pair yields one record (a plain dict, the unit of the JSON file):
 status "ok" (timed, correct), "wrong" (timed, but failed the correctness check), "skipped"
 (could not run: not importable, unsupported, raised), "rejected" (config refused by
 hopper_fmha.config), or "error" (raised while being timed).
@@ -28,12 +33,14 @@ from pathlib import Path
 from hopper_fmha.bench.registry import Backend, BackendSkip, Problem
 from hopper_fmha.bench.timing import (
     L2_FALLBACK_BYTES,
+    EagerSampler,
+    GraphSampler,
     TimingSettings,
     launch_us,
     num_input_sets,
-    time_eager,
+    round_schedule,
+    summarize,
     time_first_call,
-    time_graph,
 )
 
 PEER_DISTRIBUTIONS = (
@@ -50,11 +57,12 @@ PEER_DISTRIBUTIONS = (
 
 class CudaContextLost(RuntimeError):
     """A sticky CUDA error (e.g. an illegal address): nothing after it can run in this process.
-    `record` is the step that hit it."""
+    `record` is the step that hit it; `records` every record of its problem so far, in order."""
 
-    def __init__(self, reason: str, record: dict):
+    def __init__(self, reason: str, record: dict, records: list[dict] | None = None):
         super().__init__(reason)
         self.record = record
+        self.records = records if records is not None else [record]
 
 
 def device_slug(name: str) -> str:
@@ -249,26 +257,14 @@ def _profile_compile(fn, timer) -> dict:
         return {"compile_s": None, "cached_load_s": None, "reason": _short(e)}
 
 
-def run_step(
-    p: Problem,
-    backend: Backend,
-    sets: list[tuple],
-    checker: Callable[[], Checker],
-    timer,
-    settings: TimingSettings,
-    *,
-    graph: bool,
-    profile_compile: bool = False,
-    profile: bool = False,
-) -> dict:
-    """One backend on one problem. Raises CudaContextLost when the CUDA context is gone."""
-    rec = {
+def _new_record(p: Problem, backend: Backend, n_sets: int) -> dict:
+    return {
         "problem": p.to_dict(),
         "backend": backend.name,
         "label": backend.label,
         "ours": backend.ours,
         "flops": p.flops,
-        "n_sets": len(sets),
+        "n_sets": n_sets,
         "set_bytes": p.input_bytes,
         "status": "skipped",
         "reason": None,
@@ -279,24 +275,35 @@ def run_step(
         "profile": None,
     }
 
-    def fail(status: str, reason: str) -> dict:
-        rec.update(status=status, reason=reason)
-        if not _alive(timer):
-            rec["reason"] += " (CUDA context lost)"
-            raise CudaContextLost(reason, rec)
-        return rec
 
-    try:
-        return _measure(
-            p, backend, sets, checker, timer, settings, rec, fail, graph, profile_compile, profile
-        )
-    except CudaContextLost:
-        raise
-    except Exception as e:  # anything unforeseen (e.g. entering the backend's context)
-        return fail("error", "unexpected " + _short(e))
+class _Entry:
+    """One backend on one problem: its record, and while it is being timed its samplers and the
+    samples of every round."""
+
+    def __init__(self, backend: Backend, rec: dict):
+        self.backend, self.rec = backend, rec
+        self.samplers: dict[str, EagerSampler | GraphSampler] = {}
+        self.rounds: dict[str, list[list[float]]] = {"eager": [], "graph": []}
+
+    def drop(self, mode: str) -> None:
+        sampler = self.samplers.pop(mode, None)
+        if isinstance(sampler, GraphSampler):
+            sampler.close()
+        self.rounds[mode] = []
+
+    def close(self) -> None:
+        """Summaries from the rounds run so far; samplers (and graphs) freed."""
+        for mode in ("eager", "graph"):
+            sampler = self.samplers.get(mode)
+            if sampler is not None and self.rounds[mode]:
+                self.rec[mode] = summarize([], sampler.calls, rounds=self.rounds[mode])
+            self.drop(mode)
 
 
-def _measure(p, backend, sets, checker, timer, settings, rec, fail, graph, profile_compile, profile) -> dict:
+def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, profile_compile, profile) -> None:
+    """Build, check, warm up and size the eager samples, capture the graph. Sets the record's
+    status; leaves samplers in `entry` for the rounds."""
+    backend, rec = entry.backend, entry.rec
     with backend.context():
         try:
             fns = [backend.build(p, *s) for s in sets]
@@ -327,7 +334,7 @@ def _measure(p, backend, sets, checker, timer, settings, rec, fail, graph, profi
                 raise CudaContextLost(rec["check"]["reason"], rec) from e
         del out
         try:
-            rec["eager"] = time_eager(fns, timer, settings)
+            entry.samplers["eager"] = EagerSampler(fns, timer, settings)
         except Exception as e:
             return fail("error", "eager timing raised " + _short(e))
         rec["status"] = "wrong" if rec["check"].get("passed") is False else "ok"
@@ -337,13 +344,127 @@ def _measure(p, backend, sets, checker, timer, settings, rec, fail, graph, profi
             )
         if graph:
             try:
-                rec["graph"] = time_graph(fns, timer, settings)
+                entry.samplers["graph"] = GraphSampler(fns, timer, settings)
             except Exception as e:
                 rec["graph_reason"] = "capture or replay raised " + _short(e)
                 if not _alive(timer):
                     raise CudaContextLost(rec["graph_reason"], rec) from e
         if profile:
             rec["profile"]["launch_us"] = launch_us(fns, timer)
+
+
+def _block(entry: _Entry, mode: str, count: int, timer) -> None:
+    """One block of samples for one backend in one mode; a failure drops that mode (eager:
+    the whole backend) and is recorded. Raises CudaContextLost."""
+    sampler = entry.samplers.get(mode)
+    if sampler is None:
+        return
+    rec = entry.rec
+    try:
+        with entry.backend.context():
+            entry.rounds[mode].append(sampler.samples(count))
+    except Exception as e:
+        reason = ("eager timing raised " if mode == "eager" else "capture or replay raised ") + _short(e)
+        if mode == "eager":
+            entry.drop("eager")
+            entry.drop("graph")
+            rec.update(status="error", reason=reason)
+        else:
+            entry.drop("graph")
+            rec["graph_reason"] = reason
+        if not _alive(timer):
+            if mode == "eager":
+                rec["reason"] += " (CUDA context lost)"
+            raise CudaContextLost(reason, rec) from e
+
+
+def run_problem(
+    p: Problem,
+    backends: Sequence[Backend],
+    sets: list[tuple],
+    checker: Callable[[], Checker],
+    timer,
+    settings: TimingSettings,
+    *,
+    graph: bool,
+    profile_compile: Callable[[Backend], bool] = lambda b: False,
+    profile: Callable[[Backend], bool] = lambda b: False,
+    heat: Callable[[], None] | None = None,
+    on_start: Callable[[Problem, Backend], None] | None = None,
+) -> list[dict]:
+    """Every backend on one problem: prepared one after the other, then timed in interleaved
+    rounds after a pre-heat. Returns the records in backend order. Raises CudaContextLost (with
+    every record of the problem so far) when the CUDA context is gone."""
+    entries: list[_Entry] = []
+    try:
+        for b in backends:
+            if on_start:
+                on_start(p, b)
+            entry = _Entry(b, _new_record(p, b, len(sets)))
+            entries.append(entry)
+
+            def fail(status: str, reason: str, rec=entry.rec) -> None:
+                rec.update(status=status, reason=reason)
+                if not _alive(timer):
+                    rec["reason"] += " (CUDA context lost)"
+                    raise CudaContextLost(reason, rec)
+
+            try:
+                _prepare(
+                    p, entry, sets, checker, timer, settings, fail, graph,
+                    profile_compile(b), profile(b),
+                )  # fmt: skip
+            except CudaContextLost:
+                raise
+            except Exception as e:  # anything unforeseen (e.g. entering the backend's context)
+                entry.drop("eager")
+                entry.drop("graph")
+                fail("error", "unexpected " + _short(e))
+        timed = [e for e in entries if e.samplers]
+        if timed:
+            if heat is not None:
+                try:
+                    heat()
+                except Exception as e:  # timing without the pre-heat beats no timing
+                    if not _alive(timer):
+                        raise CudaContextLost("pre-heat raised " + _short(e), {"backend": "pre-heat"}) from e
+            for blocks in round_schedule(len(timed), max(settings.rounds, 1)):
+                for i, mode in blocks:
+                    _block(timed[i], mode, settings.per_round, timer)
+    except CudaContextLost as e:
+        for entry in entries:
+            if entry.rec is not e.record and entry.samplers and not any(entry.rounds.values()):
+                entry.rec.update(
+                    status="error",
+                    reason=f"not timed: the CUDA context was lost (at {e.record['backend']}) before "
+                    "its timing",
+                )
+            entry.close()
+        raise CudaContextLost(str(e), e.record, [entry.rec for entry in entries]) from e
+    finally:
+        for entry in entries:
+            entry.close()
+    return [entry.rec for entry in entries]
+
+
+def run_step(
+    p: Problem,
+    backend: Backend,
+    sets: list[tuple],
+    checker: Callable[[], Checker],
+    timer,
+    settings: TimingSettings,
+    *,
+    graph: bool,
+    profile_compile: bool = False,
+    profile: bool = False,
+    heat: Callable[[], None] | None = None,
+) -> dict:
+    """One backend alone on one problem (`run_problem` with one backend)."""
+    (rec,) = run_problem(
+        p, [backend], sets, checker, timer, settings, graph=graph,
+        profile_compile=lambda b: profile_compile, profile=lambda b: profile, heat=heat,
+    )  # fmt: skip
     return rec
 
 
@@ -360,15 +481,18 @@ def run_suite(
     l2_bytes: int = L2_FALLBACK_BYTES,
     memory_budget: int | None = None,
     seed: int = 0,
+    heat: Callable[[], None] | None = None,
     on_start: Callable[[Problem, Backend], None] | None = None,
     on_record: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Every backend on every problem; records in order. CudaContextLost propagates (the records
-    so far have been passed to on_record)."""
+    """Every backend on every problem; records in order (passed to on_record once a problem is
+    timed). CudaContextLost propagates (the records so far have been passed to on_record)."""
     records = []
     profiled: set[tuple] = set()
     for i, p in enumerate(problems):
-        n_sets = num_input_sets(p.input_bytes, l2_bytes, settings.max_sets, memory_budget)
+        # The budget pays for the inputs and for the outputs each backend's graph keeps alive.
+        cost = p.input_bytes + (len(backends) * p.output_bytes if graph else 0)
+        n_sets = num_input_sets(p.input_bytes, l2_bytes, settings.max_sets, memory_budget, cost)
         sets = make_inputs(p, n_sets, device, seed + i)
         cache: list[Checker] = []
 
@@ -377,25 +501,28 @@ def run_suite(
                 cache.append(Checker(p, *sets[0], reference=reference))
             return cache[0]
 
+        def first_compile(b: Backend, p=p) -> bool:
+            key = kernel_key(p, b)
+            first = profile and b.ours and key not in profiled
+            profiled.add(key)
+            return first
+
         try:
-            for b in backends:
-                if on_start:
-                    on_start(p, b)
-                key = kernel_key(p, b)
-                first = profile and b.ours and key not in profiled
-                profiled.add(key)
-                try:
-                    rec = run_step(
-                        p, b, sets, checker, timer, settings,
-                        graph=graph, profile_compile=first, profile=profile and b.ours,
-                    )  # fmt: skip
-                except CudaContextLost as e:
-                    records.append(e.record)
-                    if on_record:
-                        on_record(e.record)
-                    raise
-                records.append(rec)
+            try:
+                recs = run_problem(
+                    p, backends, sets, checker, timer, settings, graph=graph,
+                    profile_compile=first_compile, profile=lambda b: profile and b.ours,
+                    heat=heat, on_start=on_start,
+                )  # fmt: skip
+            except CudaContextLost as e:
+                records += e.records
                 if on_record:
+                    for rec in e.records:
+                        on_record(rec)
+                raise
+            records += recs
+            if on_record:
+                for rec in recs:
                     on_record(rec)
         finally:
             del sets, cache, checker  # the inputs and the reference go before the next problem's

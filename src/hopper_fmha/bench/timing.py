@@ -1,4 +1,4 @@
-"""Timing: eager calls and CUDA-graph replays, CUDA events, medians over raw samples.
+"""Timing: eager calls and CUDA-graph replays, CUDA events, interleaved rounds, medians.
 
 Eager: each sample is `calls` back-to-back calls from Python between two events, divided by
 `calls`. Nothing synchronizes between samples, so a sample measures steady-state throughput:
@@ -12,6 +12,13 @@ That is kernel time without host overhead.
 
 Consecutive calls cycle over several input sets whose total size exceeds twice the L2 cache,
 so no call finds its inputs left in L2 by the previous one.
+
+Rounds: under sustained load a Hopper card's clock drifts down (power and temperature), and
+whatever runs first after an idle gap gets the boost. So the samplers are prepared (warm-up,
+sample sizing, graph capture) once per backend, the GPU is pre-heated with back-to-back fp16
+matmuls, and then every backend gets one eager and one graph block per round, round-robin
+(`round_schedule`): the first backend rotates and eager/graph swap places from round to round.
+The median is taken over the samples of all rounds; the per-round medians show the drift.
 """
 
 from __future__ import annotations
@@ -19,24 +26,32 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 L2_FALLBACK_BYTES = 50 * 2**20  # H100 / H200
+MODES = ("eager", "graph")
 
 
 @dataclass(frozen=True)
 class TimingSettings:
     warmup: int = 5
-    iters: int = 30
+    iters: int = 30  # samples per mode in all, split over the rounds
     graph: bool = True
     min_sample_ms: float = 0.5
     max_calls_per_sample: int = 64
     max_sets: int = 32
+    rounds: int = 3
+    preheat_ms: float = 300.0  # sustained load before the first round of every problem
 
     @classmethod
     def quick(cls) -> TimingSettings:
-        return cls(warmup=1, iters=3, min_sample_ms=0.1, max_calls_per_sample=4)
+        return cls(warmup=1, iters=3, min_sample_ms=0.1, max_calls_per_sample=4, rounds=1, preheat_ms=50.0)
+
+    @property
+    def per_round(self) -> int:
+        """Samples per mode and round: `iters` split over the rounds (rounded up)."""
+        return math.ceil(self.iters / max(self.rounds, 1))
 
 
 class CudaTimer:
@@ -73,23 +88,36 @@ class CpuTimer:
 
 
 def num_input_sets(
-    set_bytes: int, l2_bytes: int, max_sets: int = 32, memory_budget: int | None = None
+    set_bytes: int, l2_bytes: int, max_sets: int = 32, memory_budget: int | None = None, cost_per_set: int = 0
 ) -> int:
-    """Input sets to rotate: enough that they total more than 2x L2, at least 2, capped."""
+    """Input sets to rotate: enough that they total more than 2x L2, at least 2, capped. The
+    memory budget is charged `cost_per_set` per set (the inputs, plus the outputs that captured
+    graphs keep alive), `set_bytes` when not given."""
     n = max(2, math.ceil(2 * l2_bytes / max(set_bytes, 1)) + 1)
     if memory_budget is not None:
-        n = min(n, max(2, memory_budget // max(set_bytes, 1)))
+        n = min(n, max(2, memory_budget // max(cost_per_set or set_bytes, 1)))
     return min(n, max_sets)
 
 
-def summarize(samples_ms: Sequence[float], calls_per_sample: int) -> dict:
-    return {
+def summarize(
+    samples_ms: Sequence[float], calls_per_sample: int, rounds: Sequence[Sequence[float]] | None = None
+) -> dict:
+    """Median, min, max and raw samples; with `rounds` (the samples of each round), the
+    samples of all rounds and the median of each round."""
+    if rounds is not None:
+        samples_ms = [x for r in rounds for x in r]
+    out = {
         "median_ms": statistics.median(samples_ms),
         "min_ms": min(samples_ms),
         "max_ms": max(samples_ms),
         "samples_ms": list(samples_ms),
         "calls_per_sample": calls_per_sample,
     }
+    if rounds is not None:
+        out["rounds"] = len(rounds)
+        out["samples_per_round"] = [len(r) for r in rounds]
+        out["round_medians_ms"] = [statistics.median(r) for r in rounds]
+    return out
 
 
 def _calls_for(call_ms: float, s: TimingSettings) -> int:
@@ -98,28 +126,43 @@ def _calls_for(call_ms: float, s: TimingSettings) -> int:
     return max(1, min(s.max_calls_per_sample, math.ceil(s.min_sample_ms / call_ms)))
 
 
+class EagerSampler:
+    """Back-to-back eager calls rotating over `fns`. Construction warms up and sizes the samples
+    from a pilot pass; `samples(n)` then times n samples (the rotation continues across calls)."""
+
+    def __init__(self, fns: Sequence[Callable[[], object]], timer, s: TimingSettings):
+        self.fns, self.timer = list(fns), timer
+        n = len(self.fns)
+        for i in range(max(s.warmup, 1)):
+            self.fns[i % n]()
+        timer.synchronize()
+        a = timer.mark()
+        for f in self.fns:
+            f()
+        b = timer.mark()
+        timer.synchronize()
+        self.calls = _calls_for(timer.elapsed_ms(a, b) / n, s)
+        self._next = 0
+
+    def samples(self, count: int) -> list[float]:
+        fns, timer, n, calls = self.fns, self.timer, len(self.fns), self.calls
+        marks = []
+        c = self._next
+        for _ in range(count):
+            a = timer.mark()
+            for _ in range(calls):
+                fns[c % n]()
+                c += 1
+            marks.append((a, timer.mark()))
+        self._next = c % n
+        timer.synchronize()
+        return [timer.elapsed_ms(a, b) / calls for a, b in marks]
+
+
 def time_eager(fns: Sequence[Callable[[], object]], timer, s: TimingSettings) -> dict:
     """Warm up, size the samples from a pilot pass, then `s.iters` samples of back-to-back calls."""
-    n = len(fns)
-    for i in range(max(s.warmup, 1)):
-        fns[i % n]()
-    timer.synchronize()
-    a = timer.mark()
-    for f in fns:
-        f()
-    b = timer.mark()
-    timer.synchronize()
-    calls = _calls_for(timer.elapsed_ms(a, b) / n, s)
-    marks = []
-    c = 0
-    for _ in range(s.iters):
-        a = timer.mark()
-        for _ in range(calls):
-            fns[c % n]()
-            c += 1
-        marks.append((a, timer.mark()))
-    timer.synchronize()
-    return summarize([timer.elapsed_ms(a, b) / calls for a, b in marks], calls)
+    sampler = EagerSampler(fns, timer, s)
+    return summarize(sampler.samples(s.iters), sampler.calls)
 
 
 def capture_graph(fns: Sequence[Callable[[], object]]):
@@ -139,30 +182,64 @@ def capture_graph(fns: Sequence[Callable[[], object]]):
     return graph, outs
 
 
-def time_graph(fns: Sequence[Callable[[], object]], timer, s: TimingSettings) -> dict:
-    """Capture, replay to warm up, then `s.iters` samples of back-to-back replays."""
-    graph, outs = capture_graph(fns)
-    try:
-        n = len(fns)
-        for _ in range(max(s.warmup, 1)):
-            graph.replay()
-        timer.synchronize()
-        a = timer.mark()
-        graph.replay()
-        b = timer.mark()
-        timer.synchronize()
-        # A replay holds n calls: size samples in replays, capped at max_calls_per_sample calls.
-        replays = min(_calls_for(timer.elapsed_ms(a, b), s), math.ceil(s.max_calls_per_sample / n))
-        marks = []
-        for _ in range(s.iters):
+class GraphSampler:
+    """One CUDA graph of one call per input set, captured once and replayed for every sample
+    block until `close()` (which frees the graph and the outputs it keeps)."""
+
+    def __init__(self, fns: Sequence[Callable[[], object]], timer, s: TimingSettings):
+        self.timer, self.n = timer, len(fns)
+        self.graph, self.outs = capture_graph(fns)
+        try:
+            for _ in range(max(s.warmup, 1)):
+                self.graph.replay()
+            timer.synchronize()
             a = timer.mark()
-            for _ in range(replays):
+            self.graph.replay()
+            b = timer.mark()
+            timer.synchronize()
+            # A replay holds n calls: size samples in replays, capped at max_calls_per_sample calls.
+            self.replays = min(
+                _calls_for(timer.elapsed_ms(a, b), s), math.ceil(s.max_calls_per_sample / self.n)
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def calls(self) -> int:
+        return self.replays * self.n
+
+    def samples(self, count: int) -> list[float]:
+        timer, graph = self.timer, self.graph
+        marks = []
+        for _ in range(count):
+            a = timer.mark()
+            for _ in range(self.replays):
                 graph.replay()
             marks.append((a, timer.mark()))
         timer.synchronize()
-        return summarize([timer.elapsed_ms(a, b) / (replays * n) for a, b in marks], replays * n)
+        return [timer.elapsed_ms(a, b) / self.calls for a, b in marks]
+
+    def close(self) -> None:
+        self.graph = self.outs = None
+
+
+def time_graph(fns: Sequence[Callable[[], object]], timer, s: TimingSettings) -> dict:
+    """Capture, replay to warm up, then `s.iters` samples of back-to-back replays."""
+    sampler = GraphSampler(fns, timer, s)
+    try:
+        return summarize(sampler.samples(s.iters), sampler.calls)
     finally:
-        del graph, outs
+        sampler.close()
+
+
+def round_schedule(n: int, rounds: int) -> Iterator[list[tuple[int, str]]]:
+    """Per round, the (backend index, mode) blocks in order: every backend once, each with its
+    eager and graph blocks back to back; round r starts at backend r mod n, and eager goes first
+    in even rounds, graph in odd ones."""
+    for r in range(rounds):
+        modes = MODES if r % 2 == 0 else MODES[::-1]
+        yield [((r + k) % n, m) for k in range(n) for m in modes]
 
 
 def time_first_call(fn: Callable[[], object], timer) -> float:
@@ -186,19 +263,48 @@ def launch_us(fns: Sequence[Callable[[], object]], timer, calls: int = 10) -> fl
     return (t1 - t0) / calls * 1e6
 
 
-def measure_matmul(device, timer, s: TimingSettings, n: int = 8192) -> dict:
-    """cuBLAS fp16 n^3 matmul (the practical tensor-core roofline), timed like the attention."""
-    import torch
+class MatmulLoad:
+    """cuBLAS fp16 n^3 matmuls on fixed operands: the practical tensor-core roofline, and the
+    sustained load that pre-heats the GPU before timing."""
 
+    def __init__(self, device, n: int = 8192):
+        import torch
+
+        self.n = n
+        self.a = torch.randn(n, n, device=device, dtype=torch.float16)
+        self.b = torch.randn(n, n, device=device, dtype=torch.float16)
+        self.c = torch.empty(n, n, device=device, dtype=torch.float16)
+        self._matmul = torch.matmul
+
+    def __call__(self):
+        return self._matmul(self.a, self.b, out=self.c)
+
+    def heat(self, timer, ms: float) -> None:
+        """Keep the GPU busy for about `ms` of its time (sized from one timed call), then wait."""
+        if ms <= 0:
+            return
+        timer.synchronize()
+        a = timer.mark()
+        self()
+        b = timer.mark()
+        timer.synchronize()
+        one = max(timer.elapsed_ms(a, b), 1e-3)
+        for _ in range(min(math.ceil(ms / one), 100_000)):
+            self()
+        timer.synchronize()
+
+
+def measure_matmul(device, timer, s: TimingSettings, n: int = 8192, load: MatmulLoad | None = None) -> dict:
+    """The matmul rate, timed like the attention: pre-heated, then `s.rounds` blocks of samples."""
     from hopper_fmha.bench.flops import matmul_flops, tflops
 
-    a = torch.randn(n, n, device=device, dtype=torch.float16)
-    b = torch.randn(n, n, device=device, dtype=torch.float16)
-    c = torch.empty(n, n, device=device, dtype=torch.float16)
-    t = time_eager([lambda: torch.matmul(a, b, out=c)], timer, s)
-    flops = matmul_flops(n, n, n)
+    load = load or MatmulLoad(device, n)
+    sampler = EagerSampler([load], timer, s)
+    load.heat(timer, s.preheat_ms)
+    t = summarize([], sampler.calls, rounds=[sampler.samples(s.per_round) for _ in range(max(s.rounds, 1))])
+    flops = matmul_flops(load.n, load.n, load.n)
     return {
-        "shape": [n, n, n],
+        "shape": [load.n, load.n, load.n],
         "dtype": "float16",
         "flops": flops,
         "tflops": tflops(flops, t["median_ms"]),
