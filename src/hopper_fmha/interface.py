@@ -1,9 +1,11 @@
 """Public API: `flash_attn_func`, its argument validation, and the `hopper_fmha::fwd` custom op.
 
-Host path per call: validate (metadata only) -> select the kernel config (cached) -> custom op ->
-conform strides (copy only if needed) -> allocate out/lse -> `hopper_fmha.kernels.forward`.
-The op is a `torch.library.custom_op` with a fake implementation, so `torch.compile` can trace
-through it; everything that needs real storage (data_ptr alignment, the launch) happens inside it.
+Host path per call: validate (metadata only) -> select the kernel config (cached) -> conform
+strides (copy only if needed) -> allocate out/lse -> `hopper_fmha.kernels.forward`.
+Under `torch.compile` the call goes through the `torch.library.custom_op` `hopper_fmha::fwd` (with
+a fake implementation), so graphs trace through it; eager calls run the op's implementation
+directly, skipping the dispatcher. Everything that needs real storage (data_ptr alignment, the
+launch) happens inside the implementation.
 """
 
 from __future__ import annotations
@@ -60,7 +62,12 @@ def flash_attn_func(
     """
     scale, cfg = _validate(q, k, v, softmax_scale, causal, variant, tile)
     _check_device(q, k, v)
-    out, lse = torch.ops.hopper_fmha.fwd(q, k, v, scale, causal, cfg.variant, cfg.tile_m, cfg.tile_n)
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.hopper_fmha.fwd(q, k, v, scale, causal, cfg.variant, cfg.tile_m, cfg.tile_n)
+    else:
+        # Eager: the op's own implementation, without the dispatcher's ~23 µs per call (measured on
+        # the H200 host, NOTES.md "host path"); the same function the custom op runs.
+        out, lse = _fwd_impl(q, k, v, scale, causal, cfg)
     return (out, lse) if return_lse else out
 
 
@@ -169,6 +176,18 @@ def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
+def _fwd_impl(q, k, v, softmax_scale: float, causal: bool, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _empty_outputs(q)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:
+        # No key is visible to any query row.
+        return out.zero_(), lse.fill_(-math.inf)
+    q, k, v = _conforming(q), _conforming(k), _conforming(v)
+    _launch(q, k, v, out, lse, softmax_scale, causal, cfg)
+    return out, lse
+
+
 @torch.library.custom_op("hopper_fmha::fwd", mutates_args=())
 def _fwd(
     q: torch.Tensor,
@@ -180,16 +199,7 @@ def _fwd(
     tile_m: int,
     tile_n: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _empty_outputs(q)
-    if out.numel() == 0:
-        return out, lse
-    if k.shape[1] == 0:
-        # No key is visible to any query row.
-        return out.zero_(), lse.fill_(-math.inf)
-    cfg = config.select_config(q.shape[3], variant, (tile_m, tile_n))
-    q, k, v = _conforming(q), _conforming(k), _conforming(v)
-    _launch(q, k, v, out, lse, softmax_scale, causal, cfg)
-    return out, lse
+    return _fwd_impl(q, k, v, softmax_scale, causal, config.select_config(q.shape[3], variant, (tile_m, tile_n)))
 
 
 @_fwd.register_fake
