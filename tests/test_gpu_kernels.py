@@ -37,7 +37,9 @@ def torch_same_dtype(q, k, v, scale, causal):
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
     sq, sk = q.shape[1], k.shape[1]
     if causal:
-        hidden = torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
+        hidden = (
+            torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
+        )
         s = s.masked_fill(hidden, -math.inf)
     lse = torch.logsumexp(s.float(), dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)

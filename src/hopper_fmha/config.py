@@ -24,6 +24,8 @@ DEFAULT_VARIANT = "ws"
 # Hopper (sm_90): per-thread register ceiling and opt-in shared memory per CTA.
 MAX_REGS_PER_THREAD = 255
 SMEM_CAPACITY_BYTES = 232448  # cutlass.memory.get_smem_capacity_in_bytes("sm_90")
+
+
 # Registers a thread needs besides the accumulators and P (addresses, loop state, softmax row
 # statistics, the GEMM-I K-loop): 24 + head_dim/32. Calibrated against ptxas (nvidia-cutlass-dsl
 # 4.8.1) on all 12 paper tiles: the model accepts exactly the tiles that compile without spills
@@ -91,8 +93,8 @@ def check_fits(head_dim: int, tile_m: int, tile_n: int) -> None:
         raise ValueError(
             f"tile {tile_m}x{tile_n} at head_dim={head_dim} needs about {regs} registers per thread "
             f"(S {tile_m * tile_n // 128} + O {tile_m * head_dim // 128} + P {tile_m * tile_n // 256} "
-            f"+ {reg_overhead(head_dim)} overhead) but a thread has at most {MAX_REGS_PER_THREAD}: it would spill. "
-            f"Use a smaller tile_m or tile_n."
+            f"+ {reg_overhead(head_dim)} overhead) but a thread has at most {MAX_REGS_PER_THREAD}: "
+            f"it would spill. Use a smaller tile_m or tile_n."
         )
     smem = smem_bytes(head_dim, tile_m, tile_n)
     if smem > SMEM_CAPACITY_BYTES:
@@ -193,7 +195,9 @@ WS_TILE_TABLE = {
 
 
 @lru_cache(maxsize=256)
-def select_config(head_dim: int, variant: str = DEFAULT_VARIANT, tile: tuple[int, int] | None = None) -> KernelConfig:
+def select_config(
+    head_dim: int, variant: str = DEFAULT_VARIANT, tile: tuple[int, int] | None = None
+) -> KernelConfig:
     """The kernel configuration for a head dim, from the table or an explicit `tile` override."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")

@@ -199,7 +199,9 @@ def _fwd(
     tile_m: int,
     tile_n: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd_impl(q, k, v, softmax_scale, causal, config.select_config(q.shape[3], variant, (tile_m, tile_n)))
+    return _fwd_impl(
+        q, k, v, softmax_scale, causal, config.select_config(q.shape[3], variant, (tile_m, tile_n))
+    )
 
 
 @_fwd.register_fake

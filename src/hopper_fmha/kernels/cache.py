@@ -69,7 +69,9 @@ def _fingerprint() -> str:
 
 def cache_dir() -> Path:
     """Where compiled kernels live: $HOPPER_FMHA_CACHE_DIR or ~/.cache/hopper_fmha, per fingerprint."""
-    root = os.environ.get("HOPPER_FMHA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hopper_fmha")
+    root = os.environ.get("HOPPER_FMHA_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "hopper_fmha"
+    )
     return Path(root) / _fingerprint()
 
 
@@ -111,7 +113,12 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
     d = key.head_dim
 
     def bshd(seqlen, heads):
-        stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
+        stride = (
+            cute.sym_int64(divisibility=8),
+            cute.sym_int64(divisibility=8),
+            cute.sym_int64(divisibility=8),
+            1,
+        )
         return cute.runtime.make_fake_tensor(dtype, (b, seqlen, heads, d), stride=stride, assumed_align=16)
 
     q, k, v, o = bshd(sq, h), bshd(sk, hkv), bshd(sk, hkv), bshd(sq, h)

@@ -127,7 +127,9 @@ class PaperFwdSm90:
         stream: cuda.CUstream,
     ):
         # Sequence first, as the TMA tiles and WGMMA expect: (s, d, h, b) and LSE (s, h, b).
-        mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mO)]
+        mQ, mK, mV, mO = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mO)
+        ]
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
 
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
@@ -150,7 +152,11 @@ class PaperFwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
+            cute.size(mQ.shape[2]),
+            cute.size(mQ.shape[3]),
+        )
         self.kernel(
             tma_atom_Q,
             tma_Q,
@@ -274,7 +280,9 @@ class PaperFwdSm90:
         # Coordinates of this thread's S elements inside the tile, for masking.
         tScS_mn = cute.make_tensor(
             thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))).iterator,
-            acc_mn_layout(thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))).layout),
+            acc_mn_layout(
+                thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))).layout
+            ),
         )
 
         cute.arch.mbarrier_wait(mbar_Q, 0)
@@ -459,7 +467,9 @@ class PaperFwdSm90:
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         smem_copy_O = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+            ),
             tiled_mma_pv,
         ).get_slice(tidx)
         cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
@@ -476,7 +486,13 @@ class PaperFwdSm90:
 
 
 @cute.jit
-def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, zero_init: cutlass.Constexpr[bool]):
+def gemm(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool],
+):
     """Issue one warpgroup GEMM over all K blocks and wait for it (the paper's gemm_bar_wait)."""
     warpgroup.fence()
     # A fresh atom per call: ACCUMULATE is mutated below, which must not leak across loop regions.
