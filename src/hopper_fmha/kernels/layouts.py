@@ -69,7 +69,8 @@ def paper_layouts(tile_m: int, tile_n: int, head_dim: int, dtype: str = "float16
     import cutlass
     import cutlass.cute as cute
 
-    from .sm90_paper import PaperFwdSm90, acc_to_operand_a_layout
+    from .sm90_common import acc_to_operand_a_layout
+    from .sm90_paper import PaperFwdSm90
 
     element = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[dtype]
     kernel = PaperFwdSm90(element, head_dim, tile_m, tile_n, causal=False)

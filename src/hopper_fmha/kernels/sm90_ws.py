@@ -41,8 +41,6 @@ tile_n a multiple of 16 (the P·V K-blocks), at most 256 (WGMMA N); bottom-right
 
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -53,10 +51,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from .sm90_paper import acc_mn_layout, acc_to_operand_a_layout
+from .sm90_common import LN_2, LOG2_E, acc_mn_layout, acc_to_operand_a_layout, gemm
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 WARPGROUP = 128
 # Named barrier ids (0 is __syncthreads).
 BARRIER_EPILOGUE = 1
@@ -799,28 +795,6 @@ class WsFwdSm90:
             cute.copy(tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-@cute.jit
-def gemm(
-    tiled_mma: cute.TiledMma,
-    acc: cute.Tensor,
-    tCrA: cute.Tensor,
-    tCrB: cute.Tensor,
-    zero_init: cutlass.Constexpr[bool],
-    wg_wait: cutlass.Constexpr[int],
-):
-    """Issue one warpgroup GEMM over all K blocks as one commit group; wait_group(wg_wait) if >= 0."""
-    warpgroup.fence()
-    # A fresh atom per call: ACCUMULATE is mutated below, which must not leak across loop regions.
-    mma_atom = cute.make_mma_atom(tiled_mma.op)
-    mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        mma_atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    if const_expr(wg_wait >= 0):
-        warpgroup.wait_group(wg_wait)
 
 
 @dsl_user_op
