@@ -10,9 +10,10 @@ Stages, each wrapped so that a failure is reported and the next stage still runs
   2. smoke: one small launch under a 30 s watchdog (a hang exits the script, not the session);
   3. correctness: ws against `hopper_fmha.reference.reference` on shapes with tails, causal
      Sq != Sk, rows that see no key, GQA/MQA; outputs poisoned with NaN before each call;
-  4. timing on the paper preset (B=4, N=4096, fp16; d/heads 64/32, 128/16, 256/8): ws, ws with
-     pingpong or intra-warpgroup overlap off, paper, SDPA flash (FA2) and cuDNN, FA4; median of
-     CUDA-event samples over two input sets; the cuBLAS fp16 8192^3 rate of the same run last.
+  4. timing on the paper preset (B=4, N=4096, fp16; d/heads 64/32, 128/16, 256/8): ws, its
+     ablations (schedule, pingpong, overlap, early O rescale, tiles), paper, SDPA flash (FA2) and
+     cuDNN, FA4; after a matmul pre-heat, 5 interleaved rounds of 10 CUDA-event samples per
+     backend (first backend rotating), median over two input sets; cuBLAS fp16 8192^3 last.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from hopper_fmha import config
 from hopper_fmha.bench.flops import attention_flops, matmul_flops, tflops
-from hopper_fmha.kernels import KernelKey, get_kernel
+from hopper_fmha.kernels import KernelKey, get_kernel, schedule
 from hopper_fmha.reference import reference
 
 PRESET = ((64, 32), (128, 16), (256, 8))  # (head_dim, heads) at hidden 2048
@@ -44,12 +45,15 @@ SHAPES = (
     (2, 1023, 1024, 4, 4),  # one row short of a tile
     (1, 4224, 4224, 2, 1),  # many key blocks: masked and unmasked loops both run
 )
+# Schedules checked: the default, one CTA per tile, and 3 persistent CTAs (many tiles each, so
+# the Q barrier phases, the K/V pipelines and the O buffer are reused across tiles).
+MAX_CTAS = (None, 0, 3)
 OUT_FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 
 def ws_key(dtype: str, head_dim: int, causal: bool, tile=None, **switches) -> KernelKey:
     cfg = dataclasses.replace(config.select_config(head_dim, "ws", tile), **switches)
-    switches = (cfg.num_stages, cfg.intra_wg_overlap, cfg.pingpong)
+    switches = (cfg.num_stages, cfg.intra_wg_overlap, cfg.pingpong, cfg.rescale_o_early)
     return KernelKey(dtype, head_dim, cfg.tile_m, cfg.tile_n, causal, "ws", *switches)
 
 
@@ -59,13 +63,19 @@ def paper_key(dtype: str, head_dim: int, causal: bool) -> KernelKey:
 
 
 def timed_backends(head_dim: int, causal: bool) -> dict[str, KernelKey]:
+    """name -> kernel; a name ending in /single or /persistent runs that schedule instead of the default."""
     ours = {"ws": ws_key("float16", head_dim, causal), "paper": paper_key("float16", head_dim, causal)}
+    ours["ws/single" if not causal else "ws/persistent"] = ours["ws"]
     if head_dim == 64:  # 2 consumer warpgroups instead of 3
         ours["ws-128x128"] = ws_key("float16", 64, causal, (128, 128))
     if head_dim == 128:  # the two ablations, where FA3 measured them; FA3's non-causal tile
         ours["ws-nopingpong"] = ws_key("float16", 128, causal, pingpong=False)
         ours["ws-nooverlap"] = ws_key("float16", 128, causal, intra_wg_overlap=False)
         ours["ws-128x176"] = ws_key("float16", 128, causal, (128, 176))
+        ours["ws-early-rescale"] = ws_key("float16", 128, causal, rescale_o_early=True)
+    if head_dim == 256:  # FA4's early O rescale off; pingpong on
+        ours["ws-late-rescale"] = ws_key("float16", 256, causal, rescale_o_early=False)
+        ours["ws-pingpong"] = ws_key("float16", 256, causal, pingpong=True)
     return ours
 
 
@@ -93,10 +103,13 @@ def stage_compile() -> None:
     print(f"  {len(keys)} kernels in {time.perf_counter() - t0:.1f}s")
 
 
-def run_ws(q, k, v, causal, key):
+def run_ws(q, k, v, causal, key, max_ctas=None):
+    """One launch; max_ctas None: the default schedule, else that many persistent CTAs (0: one per tile)."""
     out = torch.full_like(q, math.nan)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan, device=q.device, dtype=torch.float32)
-    get_kernel(key)(q, k, v, out, lse, q.shape[-1] ** -0.5, q.shape[2] // k.shape[2])
+    ctas, lpt_group = schedule(q, k, causal)
+    ctas = ctas if max_ctas is None else max_ctas
+    get_kernel(key)(q, k, v, out, lse, q.shape[-1] ** -0.5, q.shape[2] // k.shape[2], ctas, lpt_group)
     return out, lse
 
 
@@ -115,9 +128,9 @@ def stage_smoke() -> None:
     print(f"  launched and returned; finite: {bool(torch.isfinite(out).all())}")
 
 
-def check_one(q, k, v, causal, key) -> str:
+def check_one(q, k, v, causal, key, max_ctas=None) -> str:
     """'' if within tolerance, else the failure: error at most 2x PyTorch-in-dtype's, plus a floor."""
-    out, lse = run_ws(q, k, v, causal, key)
+    out, lse = run_ws(q, k, v, causal, key, max_ctas)
     scale = q.shape[-1] ** -0.5
     ref_out, ref_lse = reference(q, k, v, softmax_scale=scale, causal=causal)
     group = q.shape[2] // k.shape[2]
@@ -153,17 +166,21 @@ def stage_correctness() -> int:
             for causal in (False, True):
                 key = ws_key(str(dtype).removeprefix("torch."), d, causal)
                 for i, (b, sq, sk, h, hkv) in enumerate(SHAPES):
-                    try:
-                        faulthandler.dump_traceback_later(60, exit=True)
-                        q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype, seed=i)
-                        problem = check_one(q, k, v, causal, key)
-                        faulthandler.cancel_dump_traceback_later()
-                    except Exception as e:
-                        problem = f"{type(e).__name__}: {e}"
-                    if problem:
-                        failures += 1
-                        print(f"  FAIL {key.slug()} b={b} sq={sq} sk={sk} h={h}/{hkv}: {problem}")
-    total = 2 * len(PRESET) * 2 * len(SHAPES)
+                    for max_ctas in MAX_CTAS:
+                        try:
+                            faulthandler.dump_traceback_later(60, exit=True)
+                            q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype, seed=i)
+                            problem = check_one(q, k, v, causal, key, max_ctas)
+                            faulthandler.cancel_dump_traceback_later()
+                        except Exception as e:
+                            problem = f"{type(e).__name__}: {e}"
+                        if problem:
+                            failures += 1
+                            print(
+                                f"  FAIL {key.slug()} ctas={max_ctas} b={b} sq={sq} sk={sk} h={h}/{hkv}: "
+                                + problem
+                            )
+    total = 2 * len(PRESET) * 2 * len(SHAPES) * len(MAX_CTAS)
     print(f"  {total - failures}/{total} cases passed")
     return failures
 
@@ -179,6 +196,19 @@ def time_ms(fn, inputs, warmup=5, samples=30) -> float:
         end[i].record()
     torch.cuda.synchronize()
     return sorted(s.elapsed_time(e) for s, e in zip(start, end, strict=True))[samples // 2]
+
+
+ROUNDS = 5
+
+
+def preheat(seconds: float = 0.3) -> None:
+    """Sustained matmul load, so that every backend is timed at the clocks it will keep."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            torch.matmul(a, a)
+        torch.cuda.synchronize()
 
 
 def peers(causal: bool) -> dict:
@@ -202,8 +232,12 @@ def peers(causal: bool) -> dict:
     return fns
 
 
-def launcher(fn, out, lse, scale):
-    return lambda q, k, v: fn(q, k, v, out, lse, scale, 1)
+def launcher(fn, out, lse, scale, causal, mode=None):
+    def run(q, k, v):
+        max_ctas, lpt_group = schedule(q, k, causal, mode)
+        return fn(q, k, v, out, lse, scale, 1, max_ctas, lpt_group)
+
+    return run
 
 
 def stage_timing() -> None:
@@ -216,17 +250,32 @@ def stage_timing() -> None:
             for name, key in timed_backends(d, causal).items():
                 out = torch.empty_like(inputs[0][0])
                 lse = torch.empty(BATCH, heads, SEQLEN, device="cuda", dtype=torch.float32)
-                fns[name] = launcher(get_kernel(key), out, lse, d**-0.5)
+                mode = name.partition("/")[2] or None
+                fn = get_kernel(key)
+                fns[name] = (
+                    launcher(fn, out, lse, d**-0.5, causal, mode)
+                    if key.variant == "ws"
+                    else (lambda q, k, v, fn=fn, out=out, lse=lse, d=d: fn(q, k, v, out, lse, d**-0.5, 1))
+                )
             fns.update(peers(causal))
             row = {"d": d, "causal": causal}
-            for name, fn in fns.items():
+            samples: dict[str, list[float]] = {name: [] for name in fns}
+            for name, fn in fns.items():  # warm-up (and FA4's compile) outside the timed rounds
                 try:
-                    faulthandler.dump_traceback_later(150, exit=True)  # FA4 compiles on its first call
-                    row[name] = tflops(flops, time_ms(fn, inputs))
+                    faulthandler.dump_traceback_later(150, exit=True)
+                    time_ms(fn, inputs, warmup=3, samples=3)
                     faulthandler.cancel_dump_traceback_later()
                 except Exception as e:
+                    samples.pop(name)
                     row[name] = None
                     print(f"  {name} d={d} causal={causal}: {type(e).__name__}: {str(e)[:200]}")
+            preheat()
+            names = list(samples)
+            for r in range(ROUNDS):  # interleaved, first backend rotating: fair under clock drift
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    samples[name].append(time_ms(fns[name], inputs, warmup=2, samples=10))
+            for name, ts in samples.items():
+                row[name] = tflops(flops, sorted(ts)[len(ts) // 2])
             rows.append(row)
             print(
                 "  "

@@ -115,6 +115,34 @@ def test_ws_kernel_matrix(hopper_gpu, dtype, d, causal, seqlens, heads):
     assert_close_to_reference(q, k, v, scale, causal, out, lse)
 
 
+SCHEDULE_SEQLENS = [(113, 203), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
+
+
+@pytest.mark.parametrize("heads", ["mha", "mqa"])
+@pytest.mark.parametrize("seqlens", SCHEDULE_SEQLENS, ids=[f"{a}x{b}" for a, b in SCHEDULE_SEQLENS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("schedule", ["single", "persistent", "persistent-3"])
+def test_ws_schedules(hopper_gpu, monkeypatch, schedule, d, causal, seqlens, heads):
+    """Each tile order, whichever the default picks: one CTA per tile, persistent CTAs (one per
+    SM), and 3 persistent CTAs, so that every CTA runs many tiles (Q's barrier phases, the K/V
+    pipelines and the O buffer reused across tiles; causal tiles of unequal length)."""
+    from hopper_fmha import kernels
+
+    mode, _, ctas = schedule.partition("-")
+    monkeypatch.setattr(kernels, "SCHEDULE", mode)
+    monkeypatch.setattr(kernels, "PERSISTENT_CTAS", int(ctas) if ctas else None)
+    cfg = config.select_config(d, "ws")
+    sq, sk = seqlens
+    h, hkv = HEADS[heads]
+    q, k, v = make_inputs(
+        2, sq, sk, h, hkv, d, torch.float16, seed=hash((schedule, d, causal, seqlens)) % 2**31
+    )
+    scale = config.default_softmax_scale(d)
+    out, lse = run_kernel(q, k, v, scale, causal, cfg)
+    assert_close_to_reference(q, k, v, scale, causal, out, lse)
+
+
 @pytest.mark.parametrize("tile", [(128, 64), (128, 176), (192, 64), (192, 96)], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ws_other_tiles(hopper_gpu, tile, causal):

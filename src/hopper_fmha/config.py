@@ -62,6 +62,7 @@ class KernelConfig:
     num_stages: int = 2
     intra_wg_overlap: bool = True
     pingpong: bool = True
+    rescale_o_early: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -123,13 +124,14 @@ WS_TILE_M = tuple(WS_CONSUMER_REGS)
 WS_MAX_TILE_N = 256  # WGMMA N of GEMM-I
 
 
-def ws_reg_overhead() -> int:
+def ws_reg_overhead(head_dim: int) -> int:
     # Registers a consumer thread needs besides O, S and P (addresses, pipeline states, row
-    # statistics, the mask's coordinates): 28. Calibrated against ptxas (nvidia-cutlass-dsl 4.8.1,
-    # causal, fp16 and bf16) on 15 ws tiles at the edges of both budgets: accepts exactly those
-    # that compile without spills (NOTES.md, "ws register budget"); a compile-tier test keeps
-    # the two in agreement.
-    return 28
+    # statistics, the mask's coordinates, the persistent tile loop): 20 + head_dim/8, i.e. 28 /
+    # 36 / 52 at d = 64 / 128 / 256. Calibrated against ptxas (nvidia-cutlass-dsl 4.8.1, causal,
+    # fp16 and bf16) on the ws tiles at the edges of both budgets: accepts exactly those that
+    # compile without spills (NOTES.md, "ws register budget"); a compile-tier test keeps the two
+    # in agreement.
+    return 20 + head_dim // 8
 
 
 def ws_register_estimate(head_dim: int, tile_n: int) -> int:
@@ -137,7 +139,7 @@ def ws_register_estimate(head_dim: int, tile_n: int) -> int:
     acc_o = 64 * head_dim // 128
     acc_s = 64 * tile_n // 128
     frag_p = 64 * tile_n // 256
-    return acc_o + acc_s + frag_p + ws_reg_overhead()
+    return acc_o + acc_s + frag_p + ws_reg_overhead(head_dim)
 
 
 def ws_smem_bytes(head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2) -> int:
@@ -161,7 +163,7 @@ def check_fits_ws(head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2) 
     if regs > budget:
         raise ValueError(
             f"ws tile {tile_m}x{tile_n} at head_dim={head_dim} needs about {regs} registers per consumer "
-            f"thread (O {head_dim // 2} + S {tile_n // 2} + P {tile_n // 4} + {ws_reg_overhead()} "
+            f"thread (O {head_dim // 2} + S {tile_n // 2} + P {tile_n // 4} + {ws_reg_overhead(head_dim)} "
             f"overhead) but tile_m={tile_m} gives consumers {budget}: it would spill. Use a smaller tile_n"
             + (" or tile_m=128." if tile_m != 128 else ".")
         )
@@ -179,6 +181,7 @@ class WsChoice:
     num_stages: int
     intra_wg_overlap: bool
     pingpong: bool
+    rescale_o_early: bool = False
 
 
 # The ws variant's choice per head dim. Started from FlashAttention-3/4's (tuned on H100 SXM);
@@ -190,7 +193,7 @@ WS_TILE_TABLE = {
     128: WsChoice((128, 128), num_stages=2, intra_wg_overlap=True, pingpong=True),
     # The widest tile_n whose two K and two V stages fit shared memory. No pingpong above d128,
     # as FA3/FA4.
-    256: WsChoice((128, 80), num_stages=2, intra_wg_overlap=True, pingpong=False),
+    256: WsChoice((128, 80), num_stages=2, intra_wg_overlap=True, pingpong=False, rescale_o_early=True),
 }
 
 
@@ -218,6 +221,7 @@ def select_config(
             num_stages=choice.num_stages,
             intra_wg_overlap=choice.intra_wg_overlap,
             pingpong=choice.pingpong,
+            rescale_o_early=choice.rescale_o_early,
         )
     if tile is None:
         tile = PAPER_TILE_TABLE[head_dim]

@@ -6,9 +6,10 @@ running a problem (an import that fails, a head dim it lacks, a tile that does n
 `BackendSkip` with the reason, and the bench reports it instead of failing.
 
 Names: `hopper-fmha` (every variant), `hopper-fmha:<variant>`, `hopper-fmha:<variant>@<M>x<N>`
-(tile override), `sdpa-flash` (FlashAttention-2 in PyTorch), `sdpa-efficient` (the CUTLASS
-memory-efficient kernel, the seed paper's "CUTLASS" baseline), `sdpa-cudnn`, `fa4`
-(FlashAttention-4, CuTe DSL), `fa3` (FlashAttention-3).
+(tile override), `hopper-fmha:ws[@<M>x<N>]/<schedule>` (the ws tile order: auto, persistent or
+single; see `hopper_fmha.kernels.schedule`), `sdpa-flash` (FlashAttention-2 in PyTorch),
+`sdpa-efficient` (the CUTLASS memory-efficient kernel, the seed paper's "CUTLASS" baseline),
+`sdpa-cudnn`, `fa4` (FlashAttention-4, CuTe DSL), `fa3` (FlashAttention-3).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def parse_tile(text: str) -> tuple[int, int]:
         raise ValueError(f"tile must look like 128x64 (tile_m x tile_n), got {text!r}") from None
 
 
-def _ours(variant: str, tile: tuple[int, int] | None) -> Backend:
+def _ours(variant: str, tile: tuple[int, int] | None, schedule: str | None = None) -> Backend:
     def build(p: Problem, q, k, v):
         try:
             from hopper_fmha.config import select_config
@@ -171,9 +172,21 @@ def _ours(variant: str, tile: tuple[int, int] | None) -> Backend:
         except ValueError as e:
             raise BackendSkip(f"rejected: {e}", status="rejected") from e
         fn = _import_skip("hopper_fmha", "flash_attn_func")
-        return lambda: fn(q, k, v, causal=p.causal, variant=variant, tile=tile)
+        if schedule is None:
+            return lambda: fn(q, k, v, causal=p.causal, variant=variant, tile=tile)
+        from hopper_fmha import kernels
+
+        def call():
+            kernels.SCHEDULE = schedule  # the ws tile order; restored to "auto" after each call
+            try:
+                return fn(q, k, v, causal=p.causal, variant=variant, tile=tile)
+            finally:
+                kernels.SCHEDULE = "auto"
+
+        return call
 
     name = f"hopper-fmha:{variant}" + (f"@{tile[0]}x{tile[1]}" if tile else "")
+    name += f"/{schedule}" if schedule else ""
     return Backend(name=name, label=name, build=build, ours=True)
 
 
@@ -217,11 +230,16 @@ def get_backend(name: str) -> list[Backend]:
         return [_ours(v, None) for v in _variants()]
     if name.startswith("hopper-fmha:"):
         spec = name.removeprefix("hopper-fmha:")
+        spec, _, schedule = spec.partition("/")
         variant, _, tile_text = spec.partition("@")
         if variant not in _variants():
             raise ValueError(f"unknown hopper-fmha variant {variant!r} in {name!r}; variants: {_variants()}")
-        return [_ours(variant, parse_tile(tile_text) if tile_text else None)]
-    known = sorted(set(REGISTRY) | set(ALIASES)) + ["hopper-fmha", "hopper-fmha:<variant>[@MxN]"]
+        if schedule and schedule not in ("auto", "persistent", "single"):
+            raise ValueError(
+                f"unknown schedule {schedule!r} in {name!r}; schedules: auto, persistent, single"
+            )
+        return [_ours(variant, parse_tile(tile_text) if tile_text else None, schedule or None)]
+    known = sorted(set(REGISTRY) | set(ALIASES)) + ["hopper-fmha", "hopper-fmha:<variant>[@MxN][/schedule]"]
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(known)}")
 
 

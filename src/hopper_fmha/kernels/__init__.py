@@ -25,10 +25,55 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, get_kernel  # noqa: E402, F401
 from .inspect import compile_report  # noqa: E402, F401
 
+# How the ws variant walks its tiles: "auto" (persistent when not causal, one CTA per tile in
+# longest-first order when causal), "persistent" or "single" (one CTA per tile). For measurement.
+SCHEDULE = "auto"
+SCHEDULES = ("auto", "persistent", "single")
+# Persistent CTAs; None: one per SM. Tests set a small number so that every CTA runs many tiles.
+PERSISTENT_CTAS: int | None = None
+# L2 bytes the causal longest-first order may fill with the K and V of the heads it interleaves.
+LPT_L2_BYTES = 50 * 1024 * 1024
+
 
 def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg) -> None:
     fn = get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg))
-    fn(q, k, v, out, lse, softmax_scale, q.shape[2] // k.shape[2])
+    if cfg.variant != "ws":
+        fn(q, k, v, out, lse, softmax_scale, q.shape[2] // k.shape[2])
+        return
+    max_ctas, lpt_group = schedule(q, k, causal)
+    fn(q, k, v, out, lse, softmax_scale, q.shape[2] // k.shape[2], max_ctas, lpt_group)
+
+
+def schedule(q, k, causal: bool, mode: str | None = None) -> tuple[int, int]:
+    """(max_ctas, lpt_group) for the ws kernel: 0 CTAs means one per tile, 0 group means no LPT.
+
+    Persistent CTAs (one per SM) overlap a tile's epilogue with the next tile's loads; tiles
+    of equal work divide evenly among them. Causal tiles differ in work, so they run one CTA
+    per tile, longest first, and the hardware hands each free SM the next one.
+    """
+    mode = SCHEDULE if mode is None else mode
+    persistent = mode == "persistent" or (mode == "auto" and not causal)
+    max_ctas = 0
+    if persistent:
+        max_ctas = PERSISTENT_CTAS if PERSISTENT_CTAS is not None else _sm_count(q.device.index)
+    lpt_group = 0
+    if causal:
+        kv_head_bytes = k.shape[1] * k.shape[3] * 2 * k.element_size()
+        fit = max(1, LPT_L2_BYTES // max(kv_head_bytes, 1))
+        lpt_group = 1 << (fit.bit_length() - 1)  # a power of two, as FlashAttention's LPT scheduler
+    return max_ctas, lpt_group
+
+
+_SM_COUNTS: dict = {}
+
+
+def _sm_count(index) -> int:
+    n = _SM_COUNTS.get(index)
+    if n is None:
+        import torch
+
+        n = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
 
 
 class _DtypeNames(dict):

@@ -29,13 +29,14 @@ class KernelKey(NamedTuple):
     num_stages: int = 2
     intra_wg_overlap: bool = True
     pingpong: bool = True
+    rescale_o_early: bool = False
 
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
         """The key of `cfg` (a `hopper_fmha.config.KernelConfig`) for a dtype name and mask."""
         return cls(
             dtype, cfg.head_dim, cfg.tile_m, cfg.tile_n, causal, cfg.variant,
-            cfg.num_stages, cfg.intra_wg_overlap, cfg.pingpong,
+            cfg.num_stages, cfg.intra_wg_overlap, cfg.pingpong, cfg.rescale_o_early,
         )  # fmt: skip
 
     def slug(self) -> str:
@@ -44,7 +45,7 @@ class KernelKey(NamedTuple):
         if self.variant == "ws":
             overlap = "ov" if self.intra_wg_overlap else "noov"
             pingpong = "pp" if self.pingpong else "nopp"
-            slug += f"_s{self.num_stages}_{overlap}_{pingpong}"
+            slug += f"_s{self.num_stages}_{overlap}_{pingpong}" + ("_early" if self.rescale_o_early else "")
         return slug
 
 
@@ -94,13 +95,15 @@ def _kernel_object(key: KernelKey):
             num_stages=key.num_stages,
             intra_wg_overlap=key.intra_wg_overlap,
             pingpong=key.pingpong,
+            rescale_o_early=key.rescale_o_early,
         )
         return kernel, dtype
     raise ValueError(f"unknown kernel variant {key.variant!r}")
 
 
 def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
-    """Compile-time stand-ins for (q, k, v, out, lse, scale, qhead_per_kvhead, stream).
+    """Compile-time stand-ins for (q, k, v, out, lse, scale, qhead_per_kvhead, [ws: max_ctas,
+    lpt_group,] stream).
 
     Batch, sequence lengths and head counts are symbolic, so one compiled kernel serves them all;
     strides are symbolic 64-bit values divisible by 8 elements (16 bytes, as TMA requires).
@@ -126,7 +129,10 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
         cutlass.Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-    return (q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1), stream)
+    scalars = (cutlass.Float32(1.0), cutlass.Int32(1))
+    if key.variant == "ws":  # max_ctas, lpt_group (hopper_fmha.kernels.schedule)
+        scalars += (cutlass.Int32(0), cutlass.Int32(0))
+    return (q, k, v, o, lse, *scalars, stream)
 
 
 def compile_kernel(key: KernelKey, *, tvm_ffi: bool = True, options: str = ""):

@@ -59,6 +59,7 @@ BARRIER_EPILOGUE = 1
 BARRIER_PINGPONG = 2  # + consumer warpgroup index: the barrier that warpgroup waits on for its turn
 # (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+SMEM_LIMIT_BYTES = 227 * 1024  # dynamic shared memory per CTA on sm_90
 
 
 class WsFwdSm90:
@@ -75,6 +76,7 @@ class WsFwdSm90:
         num_stages: int = 2,
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
+        rescale_o_early: bool = False,
     ):
         assert head_dim in (64, 128, 256)
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
@@ -87,10 +89,19 @@ class WsFwdSm90:
         self.num_stages = num_stages
         self.intra_wg_overlap = intra_wg_overlap
         self.pingpong = pingpong
+        # Rescale O by the previous block's factor while GEMM-I runs, before GEMM-II is issued,
+        # instead of after GEMM-II completes, where it delays the next GEMMs (overlapped loop
+        # only). FlashAttention-4 does so above d = 128, where O is the largest.
+        self.rescale_o_early = rescale_o_early and intra_wg_overlap
         self.num_mma_wg = tile_m // 64
         self.num_mma_threads = WARPGROUP * self.num_mma_wg
         self.num_threads = WARPGROUP + self.num_mma_threads
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.num_mma_wg]
+        # O gets its own shared-memory buffer where it fits beside Q, K and V: the next tile's Q
+        # then loads while this tile's epilogue runs. Otherwise O reuses Q's buffer and the next
+        # Q waits until the TMA store has read it (K and V of the next tile still load early).
+        elems = (2 * tile_m + 2 * num_stages * tile_n) * head_dim
+        self.separate_o = elems * dtype.width // 8 + 1024 <= SMEM_LIMIT_BYTES
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -134,8 +145,16 @@ class WsFwdSm90:
         mLSE: cute.Tensor,  # (b, h, s_q) float32
         softmax_scale: Float32,
         qhead_per_kvhead: Int32,
+        max_ctas: Int32,
+        lpt_group: Int32,
         stream: cuda.CUstream,
     ):
+        """Launch over every (m_block, head, batch) tile; `max_ctas` > 0 makes it persistent.
+
+        max_ctas: 0 launches one CTA per tile; otherwise min(max_ctas, tiles) CTAs each loop over
+        tiles blockIdx.x, blockIdx.x + gridDim.x, ... lpt_group: > 0 orders tiles longest first
+        (causal) within groups of that many (head, batch) pairs, whose K and V fit in L2 together.
+        """
         # Sequence first, as the TMA tiles and WGMMA expect: (s, d, h, b) and LSE (s, h, b).
         mQ, mK, mV, mO = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mO)
@@ -165,15 +184,19 @@ class WsFwdSm90:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 1]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]  # full + empty per stage
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_Q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sO: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) if self.separate_o else 8], 1024
+            ]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        grid = (
-            cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
-            cute.size(mQ.shape[2]),
-            cute.size(mQ.shape[3]),
-        )
+        num_tiles = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m) * mQ.shape[2] * mQ.shape[3]
+        num_ctas = num_tiles
+        if max_ctas > 0:
+            num_ctas = cutlass.min(num_tiles, max_ctas)
+        grid = (num_ctas, 1, 1)
         self.kernel(
             tma_atom_Q,
             tma_Q,
@@ -186,6 +209,7 @@ class WsFwdSm90:
             mLSE,
             softmax_scale * LOG2_E,
             qhead_per_kvhead,
+            lpt_group,
             sQ_layout,
             sK_layout,
             sV_layout,
@@ -209,6 +233,7 @@ class WsFwdSm90:
         mLSE: cute.Tensor,
         scale_log2: Float32,
         qhead_per_kvhead: Int32,
+        lpt_group: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -224,9 +249,13 @@ class WsFwdSm90:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         mbar_Q = storage.mbar_Q.data_ptr()
+        mbar_Q_empty = storage.mbar_Q_empty.data_ptr()
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_Q, 1)
+                # Released once per consumer warp after its last GEMM-I (separate O buffer), or
+                # once, by the thread that waited for the O store to read Q's buffer.
+                cute.arch.mbarrier_init(mbar_Q_empty, self.num_mma_threads // 32 if self.separate_o else 1)
         # Pipelines initialise their barriers from warp 0; "full" completes on one producer
         # arrive plus the TMA bytes, "empty" on one arrive per consumer WARP (lane 0 signals).
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
@@ -254,30 +283,55 @@ class WsFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = sQ
+        if const_expr(self.separate_o):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
 
-        m_block, head, batch = cute.arch.block_idx()
-        if const_expr(self.causal):
-            # Longest tiles first: CTAs launch in blockIdx.x order, so the cheap tiles of the
-            # diagonal fill the last wave instead of the expensive ones.
-            m_block = cute.arch.grid_dim()[0] - 1 - m_block
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        n_max, n_unmasked = self.block_range(m_block, seqlen_q, seqlen_k)
-
+        sched = (mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3], lpt_group)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.producer(
-                    tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_Q, pipeline_k,
-                    pipeline_v, m_block, head // qhead_per_kvhead, head, batch, n_max,
+                    tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_Q, mbar_Q_empty,
+                    pipeline_k, pipeline_v, qhead_per_kvhead, sched,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
             self.consumer(
-                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, mbar_Q, pipeline_k, pipeline_v, tma_atom_O, mO,
-                mLSE, scale_log2, tidx, m_block, head, batch, seqlen_q, seqlen_k, n_max, n_unmasked,
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, mbar_Q, mbar_Q_empty, pipeline_k, pipeline_v,
+                tma_atom_O, mO, mLSE, scale_log2, tidx, sched,
             )  # fmt: skip
+
+    @cute.jit
+    def tile_coords(self, tile: Int32, sched):
+        """Tile index -> (m_block, head, batch).
+
+        Without lpt_group: m_block fastest, so CTAs running together share one head's K and V.
+        With it (causal): (head, batch) pairs form groups of lpt_group; inside a group tiles go
+        by decreasing work (m_block from the last), heads fastest, so the cheap diagonal tiles
+        come last and fill the tail; K and V of a group fit in L2.
+        """
+        seqlen_q, seqlen_k, num_heads, num_batch, lpt_group = sched
+        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
+        m_block = tile % num_m
+        hb = tile // num_m
+        if lpt_group > 0:
+            num_hb = num_heads * num_batch
+            group_tiles = lpt_group * num_m
+            group = tile // group_tiles
+            rest = tile - group * group_tiles
+            group_size = lpt_group
+            if group == num_hb // lpt_group:  # the last, partial group
+                group_size = num_hb - group * lpt_group
+            m_block = num_m - 1 - rest // group_size
+            hb = group * lpt_group + rest % group_size
+        return m_block, hb % num_heads, hb // num_heads
+
+    @cute.jit
+    def num_tiles(self, sched) -> Int32:
+        seqlen_q, seqlen_k, num_heads, num_batch, lpt_group = sched
+        return (seqlen_q + self.tile_m - 1) // self.tile_m * num_heads * num_batch
 
     @cute.jit
     def block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -310,47 +364,64 @@ class WsFwdSm90:
         sK: cute.Tensor,
         sV: cute.Tensor,
         mbar_Q: cute.Pointer,
+        mbar_Q_empty: cute.Pointer,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
-        m_block: Int32,
-        head_kv: Int32,
-        head: Int32,
-        batch: Int32,
-        n_max: Int32,
+        qhead_per_kvhead: Int32,
+        sched,
     ):
-        """One warp: every TMA load, in the order the consumers use them (so no cycle can form)."""
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        """One warp: every TMA load, tile after tile, in the order the consumers use them.
+
+        The K/V pipelines run on across tiles, so the next tile's first blocks load while the
+        consumers finish this one; Q waits until the consumers release Q's buffer.
+        """
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        if n_max > 0:
-            k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_max - 1)
+        seqlen_q, seqlen_k = sched[0], sched[1]
+        num_tiles = self.num_tiles(sched)
+        tile = cute.arch.block_idx()[0]
+        step = cute.arch.grid_dim()[0]
+        q_phase = Int32(0)
+        while tile < num_tiles:
+            m_block, head, batch = self.tile_coords(tile, sched)
+            head_kv = head // qhead_per_kvhead
+            n_max, _ = self.block_range(m_block, seqlen_q, seqlen_k)
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+            if n_max > 0:
+                k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_max - 1)
+            # Q is loaded for every tile (also one whose rows see no key) so that both sides
+            # count Q's phases alike.
+            cute.arch.mbarrier_wait(mbar_Q_empty, q_phase ^ 1)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar_Q, cute.size_in_bytes(self.dtype, sQ.layout))
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=mbar_Q)
-            if const_expr(self.intra_wg_overlap):
-                # GEMM-I of block n runs beside GEMM-II of block n + 1: K_n goes ahead of V_{n+1}.
-                for i in cutlass.range(n_max - 1, unroll=1):
-                    n_block = n_max - 2 - i
-                    k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
-                    v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block + 1)
-                v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, 0)
-            else:
-                v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_max - 1)
-                for i in cutlass.range(n_max - 1, unroll=1):
-                    n_block = n_max - 2 - i
-                    k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
-                    v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block)
+            q_phase = q_phase ^ 1
+            if n_max > 0:
+                if const_expr(self.intra_wg_overlap):
+                    # GEMM-I of block n runs beside GEMM-II of block n + 1: K_n goes ahead of V_{n+1}.
+                    for i in cutlass.range(n_max - 1, unroll=1):
+                        n_block = n_max - 2 - i
+                        k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
+                        v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block + 1)
+                    v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, 0)
+                else:
+                    v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_max - 1)
+                    for i in cutlass.range(n_max - 1, unroll=1):
+                        n_block = n_max - 2 - i
+                        k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
+                        v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block)
+            tile += step
         # Stay until the consumers have released every buffer: no arrive lands after exit.
         pipeline_k.producer_tail(k_state)
         pipeline_v.producer_tail(v_state)
@@ -385,7 +456,9 @@ class WsFwdSm90:
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
+        sO: cute.Tensor,
         mbar_Q: cute.Pointer,
+        mbar_Q_empty: cute.Pointer,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
         tma_atom_O: cute.CopyAtom,
@@ -393,13 +466,7 @@ class WsFwdSm90:
         mLSE: cute.Tensor,
         scale_log2: Float32,
         tidx: Int32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        n_max: Int32,
-        n_unmasked: Int32,
+        sched,
     ):
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         # smem operand descriptors are per warpgroup; accumulators per thread.
@@ -416,22 +483,18 @@ class WsFwdSm90:
         tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_S = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         acc_O = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim)))
-        acc_O.fill(0.0)
         # P, the A operand of GEMM-II: the accumulator layout of S re-viewed (no data movement).
         tOrP_acc = cute.make_rmem_tensor(acc_shape_S, self.dtype)
         tOrP = cute.make_tensor(tOrP_acc.iterator, acc_to_operand_a_layout(tOrP_acc.layout))
         rows_per_thread = cute.size(acc_mn_layout(acc_O.layout), mode=[0])
         row_max = cute.make_rmem_tensor((rows_per_thread,), Float32)
         row_sum = cute.make_rmem_tensor((rows_per_thread,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
+        # With rescale_o_early: the factor of the last softmax, applied before the next GEMM-II.
+        o_scale = cute.make_rmem_tensor((rows_per_thread,), Float32)
         cS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         tScS_mn = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
+        seqlen_q, seqlen_k = sched[0], sched[1]
 
-        ctx = (
-            tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O, tOrP_acc, tOrP, row_max,
-            row_sum, tScS_mn, pipeline_k, pipeline_v, scale_log2, m_block, seqlen_q, seqlen_k, wg,
-        )  # fmt: skip
         if const_expr(self.pingpong):
             # The first consumer warpgroup starts with the token.
             if wg == 0:
@@ -439,33 +502,60 @@ class WsFwdSm90:
 
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if n_max > 0:
-            cute.arch.mbarrier_wait(mbar_Q, 0)
-            n_first = n_max - 1
-            n_masked_end = cutlass.min(n_unmasked, n_first)  # blocks [n_masked_end, n_first) need a mask
-            if const_expr(self.intra_wg_overlap):
-                k_state = self.first_block(n_first, k_state, *ctx)
-                for i in cutlass.range(n_first - n_masked_end, unroll=1):
-                    k_state, v_state = self.overlapped_block(n_first - 1 - i, True, k_state, v_state, *ctx)
-                for i in cutlass.range(n_masked_end, unroll=1):
-                    k_state, v_state = self.overlapped_block(
-                        n_masked_end - 1 - i, False, k_state, v_state, *ctx
-                    )
-                v_state = self.last_pv(v_state, *ctx)
-            else:
-                k_state, v_state = self.plain_block(n_first, True, True, k_state, v_state, *ctx)
-                for i in cutlass.range(n_first - n_masked_end, unroll=1):
-                    k_state, v_state = self.plain_block(n_first - 1 - i, True, False, k_state, v_state, *ctx)
-                for i in cutlass.range(n_masked_end, unroll=1):
-                    k_state, v_state = self.plain_block(
-                        n_masked_end - 1 - i, False, False, k_state, v_state, *ctx
-                    )
-                self.pingpong_pass(wg)
-
-        self.epilogue(
-            acc_O, row_max, row_sum, scale_log2, sQ, tma_atom_O, mO, mLSE, tiled_mma_pv, thr_mma_pv, tidx,
-            m_block, head, batch, seqlen_q,
-        )  # fmt: skip
+        num_tiles = self.num_tiles(sched)
+        tile = cute.arch.block_idx()[0]
+        step = cute.arch.grid_dim()[0]
+        q_phase = Int32(0)
+        while tile < num_tiles:
+            m_block, head, batch = self.tile_coords(tile, sched)
+            n_max, n_unmasked = self.block_range(m_block, seqlen_q, seqlen_k)
+            acc_O.fill(0.0)
+            row_max.fill(-Float32.inf)
+            row_sum.fill(0.0)
+            ctx = (
+                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O, tOrP_acc, tOrP, row_max,
+                row_sum, o_scale, tScS_mn, pipeline_k, pipeline_v, scale_log2, m_block, seqlen_q, seqlen_k,
+                wg,
+            )  # fmt: skip
+            cute.arch.mbarrier_wait(mbar_Q, q_phase)
+            q_phase = q_phase ^ 1
+            if n_max > 0:
+                n_first = n_max - 1
+                n_masked_end = cutlass.min(n_unmasked, n_first)  # blocks [n_masked_end, n_first) need a mask
+                if const_expr(self.intra_wg_overlap):
+                    k_state = self.first_block(n_first, k_state, *ctx)
+                    for i in cutlass.range(n_first - n_masked_end, unroll=1):
+                        k_state, v_state = self.overlapped_block(
+                            n_first - 1 - i, True, k_state, v_state, *ctx
+                        )
+                    for i in cutlass.range(n_masked_end, unroll=1):
+                        k_state, v_state = self.overlapped_block(
+                            n_masked_end - 1 - i, False, k_state, v_state, *ctx
+                        )
+                    v_state = self.last_pv(v_state, *ctx)
+                else:
+                    k_state, v_state = self.plain_block(n_first, True, True, k_state, v_state, *ctx)
+                    for i in cutlass.range(n_first - n_masked_end, unroll=1):
+                        k_state, v_state = self.plain_block(
+                            n_first - 1 - i, True, False, k_state, v_state, *ctx
+                        )
+                    for i in cutlass.range(n_masked_end, unroll=1):
+                        k_state, v_state = self.plain_block(
+                            n_masked_end - 1 - i, False, False, k_state, v_state, *ctx
+                        )
+                    self.pingpong_pass(wg)
+            if const_expr(self.separate_o):
+                # Every GEMM-I of this warp has completed: Q's buffer may take the next tile.
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(mbar_Q_empty)
+            self.epilogue(
+                acc_O, row_max, row_sum, scale_log2, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
+                thr_mma_pv, tidx, m_block, head, batch, seqlen_q,
+            )  # fmt: skip
+            tile += step
+        if const_expr(self.separate_o):
+            if tidx // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store has read sO
 
     @cute.jit
     def pingpong_wait(self, wg: Int32):
@@ -498,6 +588,7 @@ class WsFwdSm90:
         tOrP: cute.Tensor,
         row_max: cute.Tensor,
         row_sum: cute.Tensor,
+        o_scale: cute.Tensor,
         tScS_mn: cute.Tensor,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
@@ -519,6 +610,8 @@ class WsFwdSm90:
         self.apply_mask(acc_S, tScS_mn, m_block, n_block, seqlen_q, seqlen_k)
         self.online_softmax(acc_S, row_max, row_sum, scale_log2, True)
         convert(acc_S, tOrP_acc)
+        if const_expr(self.rescale_o_early):
+            o_scale.fill(1.0)
         return k_state
 
     @cute.jit
@@ -539,6 +632,7 @@ class WsFwdSm90:
         tOrP: cute.Tensor,
         row_max: cute.Tensor,
         row_sum: cute.Tensor,
+        o_scale: cute.Tensor,
         tScS_mn: cute.Tensor,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
@@ -553,6 +647,8 @@ class WsFwdSm90:
         pipeline_k.consumer_wait(k_state)
         self.pingpong_wait(wg)
         gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1)
+        if const_expr(self.rescale_o_early):
+            self.rescale_O(acc_O, o_scale)  # while GEMM-I runs
         pipeline_v.consumer_wait(v_state)
         gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False, wg_wait=-1)
         self.pingpong_pass(wg)
@@ -566,7 +662,10 @@ class WsFwdSm90:
         pipeline_v.consumer_release(v_state)
         v_state.advance()
         convert(acc_S, tOrP_acc)
-        self.rescale_O(acc_O, row_scale)
+        if const_expr(self.rescale_o_early):
+            o_scale.store(row_scale.load())
+        else:
+            self.rescale_O(acc_O, row_scale)
         return k_state, v_state
 
     @cute.jit
@@ -584,6 +683,7 @@ class WsFwdSm90:
         tOrP: cute.Tensor,
         row_max: cute.Tensor,
         row_sum: cute.Tensor,
+        o_scale: cute.Tensor,
         tScS_mn: cute.Tensor,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
@@ -594,6 +694,8 @@ class WsFwdSm90:
         wg: Int32,
     ):
         """Overlapped loop, second half: O += P V_0."""
+        if const_expr(self.rescale_o_early):
+            self.rescale_O(acc_O, o_scale)
         pipeline_v.consumer_wait(v_state)
         gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False, wg_wait=0)
         pipeline_v.consumer_release(v_state)
@@ -619,6 +721,7 @@ class WsFwdSm90:
         tOrP: cute.Tensor,
         row_max: cute.Tensor,
         row_sum: cute.Tensor,
+        o_scale: cute.Tensor,
         tScS_mn: cute.Tensor,
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
@@ -738,6 +841,7 @@ class WsFwdSm90:
         row_sum: cute.Tensor,
         scale_log2: Float32,
         sO: cute.Tensor,
+        mbar_Q_empty: cute.Pointer,
         tma_atom_O: cute.CopyAtom,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
@@ -774,10 +878,15 @@ class WsFwdSm90:
                 if row < seqlen_q:
                     mLSE[row, head, batch] = lse[r]
 
-        # O: registers -> smem (stmatrix into Q's buffer) -> TMA store. A warpgroup's rows of sQ are
-        # read only by its own GEMM-Is, all complete here, so no barrier is needed before writing.
+        # O: registers -> smem (stmatrix) -> TMA store. With its own buffer, O waits only for the
+        # previous tile's store to have read it. In Q's buffer: a warpgroup's rows of sQ are read
+        # only by its own GEMM-Is, all complete here, so it writes them without a barrier.
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
         convert(acc_O, rO)
+        if const_expr(self.separate_o):
+            if tidx // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
         smem_copy_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(
                 cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
@@ -794,7 +903,11 @@ class WsFwdSm90:
             )
             cute.copy(tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not self.separate_o):
+                # Q's buffer is free once the store has read it.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(mbar_Q_empty)
 
 
 @dsl_user_op
