@@ -3,6 +3,7 @@ whole run with fake backends and a wall-clock timer (the GPU run differs only in
 the CUDA graphs and the matmul rate)."""
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,7 +45,9 @@ def test_flops_hand_computed():
 
 
 def test_registry_names():
-    assert [b.name for b in registry.get_backend("hopper-fmha")] == [f"hopper-fmha:{v}" for v in VARIANTS]
+    expected = ["hopper-fmha:auto"] + [f"hopper-fmha:{v}" for v in VARIANTS]
+    assert [b.name for b in registry.get_backend("hopper-fmha")] == expected
+    assert [b.name for b in registry.get_backend("hopper-fmha:auto/single")] == ["hopper-fmha:auto/single"]
     (b,) = registry.get_backend("hopper-fmha:paper@128x64")
     assert b.name == "hopper-fmha:paper@128x64" and b.ours
     names = [b.name for b in registry.resolve_backends(["fa2", "sdpa-flash", "cudnn", "fa4"])]
@@ -474,6 +477,14 @@ def test_register_wires_the_bench_subcommand():
 
     with pytest.raises(ValueError, match="drop --batch"):
         bench_cli.plan(_parser().parse_args(["bench", "--preset", "paper", "--batch", "2"]))
+    # --dtype beside a preset: the preset's shapes in those dtypes, dtype-major.
+    _, problems, _ = bench_cli.plan(
+        _parser().parse_args(["bench", "--preset", "paper", "--dtype", "fp16,bf16"])
+    )
+    assert len(problems) == 12 and [p.dtype for p in problems] == ["float16"] * 6 + ["bfloat16"] * 6
+    assert [dataclasses.replace(p, dtype="float16") for p in problems[6:]] == list(problems[:6])
+    _, problems, _ = bench_cli.plan(_parser().parse_args(["bench", "--preset", "sweep", "--dtype", "bf16"]))
+    assert len(problems) == 36 and {p.dtype for p in problems} == {"bfloat16"}
 
 
 def test_run_without_gpu_or_with_bad_flags_exits_2(monkeypatch, capsys):

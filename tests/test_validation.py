@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hopper_fmha import flash_attn_func, interface
-from hopper_fmha.config import select_config
+from hopper_fmha.config import auto_variant, select_config
 from hopper_fmha.reference import reference
 
 pytestmark = pytest.mark.cpu
@@ -150,6 +150,15 @@ def test_variant_rejected_by_config():
         flash_attn_func(q, k, v, variant="fa3")
 
 
+def test_auto_variant_follows_the_measured_limits():
+    # The paper kernel for short key sequences (d <= 128 up to 1024 keys; d = 256 causal up to
+    # 512), the ws kernel beyond; a given tile without a variant means ws.
+    assert auto_variant(64, False, 1024) == "paper" and auto_variant(64, False, 1025) == "ws"
+    assert auto_variant(128, True, 512) == "paper" and auto_variant(128, True, 2048) == "ws"
+    assert auto_variant(256, False, 512) == "ws" and auto_variant(256, True, 512) == "paper"
+    assert auto_variant(256, True, 513) == "ws"
+
+
 # ---- device rules, checked last ----
 
 
@@ -190,7 +199,8 @@ def test_outputs_and_launch_arguments(cpu_kernel, causal):
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
     (launch,) = cpu_kernel
     assert launch["softmax_scale"] == 64**-0.5 and launch["causal"] is causal
-    assert launch["cfg"] == select_config(64)  # the table's config for head_dim 64
+    # No variant asked for: the one auto_variant picks for this (short) problem, at its table tile.
+    assert launch["cfg"] == select_config(64, auto_variant(64, causal, k.shape[1]))
     assert launch["q"] is q  # conforming inputs are passed through, not copied
     assert torch.equal(flash_attn_func(q, k, v, causal=causal), out)
 

@@ -19,7 +19,13 @@ from functools import lru_cache
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 VARIANTS = ("paper", "ws")
-DEFAULT_VARIANT = "ws"
+DEFAULT_VARIANT = "ws"  # with an explicit tile; without one, `auto_variant` picks per problem
+# Key lengths up to which the paper kernel (64-row tiles, several CTAs per SM) beats the ws
+# kernel (128/192-row tiles, one CTA per SM, a per-tile prologue and epilogue that a short loop
+# does not amortise): measured on the sweep preset, fp16 and bf16, H200 (NOTES.md, "variant
+# by problem"). d <= 128: up to 1024; d = 256: causal up to 512 only.
+PAPER_MAX_SEQLEN_K = {64: 1024, 128: 1024, 256: 0}
+PAPER_MAX_SEQLEN_K_CAUSAL = {64: 1024, 128: 1024, 256: 512}
 
 # Hopper (sm_90): per-thread register ceiling and opt-in shared memory per CTA.
 MAX_REGS_PER_THREAD = 255
@@ -195,6 +201,12 @@ WS_TILE_TABLE = {
     # as FA3/FA4.
     256: WsChoice((128, 80), num_stages=2, intra_wg_overlap=True, pingpong=False, rescale_o_early=True),
 }
+
+
+def auto_variant(head_dim: int, causal: bool, seqlen_k: int) -> str:
+    """The variant used when none is asked for: the faster one measured for this problem."""
+    limits = PAPER_MAX_SEQLEN_K_CAUSAL if causal else PAPER_MAX_SEQLEN_K
+    return "paper" if seqlen_k <= limits.get(head_dim, 0) else "ws"
 
 
 @lru_cache(maxsize=256)

@@ -47,7 +47,8 @@ def flash_attn_func(
         causal: if True, query row i sees key j iff j <= i + seqlen_k - seqlen_q (the mask is
             aligned to the bottom-right corner, as in FlashAttention >= 2.1).
         return_lse: also return the log-sum-exp of the scaled scores.
-        variant: kernel variant (see `hopper_fmha.config.VARIANTS`); None means the default.
+        variant: kernel variant (see `hopper_fmha.config.VARIANTS`); None picks per problem
+            (`hopper_fmha.config.auto_variant`; "ws" when a tile is given).
         tile: optional (tile_m, tile_n) override of the tile table, for tests and benchmarks.
 
     Returns:
@@ -114,7 +115,9 @@ def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, con
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if variant is None:
-        variant = config.DEFAULT_VARIANT
+        variant = (
+            config.DEFAULT_VARIANT if tile is not None else config.auto_variant(head_dim, causal, k.shape[1])
+        )
     elif not isinstance(variant, str):
         raise ValueError(f"variant must be one of {config.VARIANTS}, got {variant!r}")
     if tile is not None:

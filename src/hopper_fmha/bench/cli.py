@@ -11,7 +11,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from hopper_fmha.bench.presets import PRESETS, custom_problems, get_preset, tiles
+from hopper_fmha.bench.presets import PRESETS, custom_problems, get_preset, tiles, with_dtypes
 from hopper_fmha.bench.registry import DEFAULT_BACKENDS, canonical_dtype, parse_tile, resolve_backends
 from hopper_fmha.bench.report import (
     claims_summary,
@@ -111,6 +111,7 @@ def plan(args) -> tuple[str, tuple, list[str]]:
     """(preset name, problems, backend names) from the flags; ValueError on a bad combination."""
     free = [f for f in _PROBLEM_FLAGS if getattr(args, f) is not None] + (["causal"] if args.causal else [])
     if args.preset:
+        free = [f for f in free if f != "dtype"]  # a preset's problems, in the dtypes asked for
         if free:
             flags = ", ".join("--" + f.replace("_", "-") for f in free)
             raise ValueError(f"--preset {args.preset} fixes the problems; drop {flags}")
@@ -118,6 +119,8 @@ def plan(args) -> tuple[str, tuple, list[str]]:
             raise ValueError("--preset tiles sweeps the tiles; drop --tile")
         preset = tiles(args.variant or "paper") if args.preset == "tiles" else get_preset(args.preset)
         name, problems, names = preset.name, preset.problems, list(preset.backends or DEFAULT_BACKENDS)
+        if args.dtype:
+            problems = with_dtypes(problems, [canonical_dtype(d) for d in _split(args.dtype)])
     else:
         problems = custom_problems(
             args.batch,

@@ -11,6 +11,7 @@ tiles: the seed paper's Table 1: the paper variant at every tile of PAPER_TILES 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hopper_fmha.bench.registry import Problem
@@ -77,6 +78,12 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     return PRESETS[name]()
+
+
+def with_dtypes(problems: tuple[Problem, ...], dtypes: list[str]) -> tuple[Problem, ...]:
+    """A preset's problems in the given dtypes (`--dtype` beside `--preset`), dtype-major, in order."""
+    shapes = list(dict.fromkeys(dataclasses.replace(p, dtype="float16") for p in problems))
+    return tuple(dataclasses.replace(p, dtype=dt) for dt in dtypes for p in shapes)
 
 
 def custom_problems(

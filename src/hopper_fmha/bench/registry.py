@@ -5,9 +5,11 @@ zero-argument callable that runs one attention forward. Anything that keeps a ba
 running a problem (an import that fails, a head dim it lacks, a tile that does not fit) is a
 `BackendSkip` with the reason, and the bench reports it instead of failing.
 
-Names: `hopper-fmha` (every variant), `hopper-fmha:<variant>`, `hopper-fmha:<variant>@<M>x<N>`
-(tile override), `hopper-fmha:ws[@<M>x<N>]/<schedule>` (the ws tile order: auto, persistent or
-single; see `hopper_fmha.kernels.schedule`), `sdpa-flash` (FlashAttention-2 in PyTorch),
+Names: `hopper-fmha` (auto and every variant), `hopper-fmha:auto` (the default: the variant
+`hopper_fmha.config.auto_variant` picks per problem), `hopper-fmha:<variant>`,
+`hopper-fmha:<variant>@<M>x<N>` (tile override), `hopper-fmha:ws[@<M>x<N>]/<schedule>` (the ws
+tile order: auto, persistent or single; see `hopper_fmha.kernels.schedule`), `sdpa-flash`
+(FlashAttention-2 in PyTorch),
 `sdpa-efficient` (the CUTLASS memory-efficient kernel, the seed paper's "CUTLASS" baseline),
 `sdpa-cudnn`, `fa4` (FlashAttention-4, CuTe DSL), `fa3` (FlashAttention-3).
 """
@@ -161,14 +163,18 @@ def parse_tile(text: str) -> tuple[int, int]:
         raise ValueError(f"tile must look like 128x64 (tile_m x tile_n), got {text!r}") from None
 
 
-def _ours(variant: str, tile: tuple[int, int] | None, schedule: str | None = None) -> Backend:
+# `hopper-fmha:auto`: what a user gets by default (variant=None: hopper_fmha.config.auto_variant).
+AUTO = "auto"
+
+
+def _ours(variant: str | None, tile: tuple[int, int] | None, schedule: str | None = None) -> Backend:
     def build(p: Problem, q, k, v):
         try:
             from hopper_fmha.config import select_config
         except Exception as e:
             raise BackendSkip(f"hopper_fmha.config not importable ({type(e).__name__}: {e})") from e
         try:
-            select_config(p.head_dim, variant, tile)
+            select_config(p.head_dim, "ws" if variant is None else variant, tile)
         except ValueError as e:
             raise BackendSkip(f"rejected: {e}", status="rejected") from e
         fn = _import_skip("hopper_fmha", "flash_attn_func")
@@ -185,7 +191,7 @@ def _ours(variant: str, tile: tuple[int, int] | None, schedule: str | None = Non
 
         return call
 
-    name = f"hopper-fmha:{variant}" + (f"@{tile[0]}x{tile[1]}" if tile else "")
+    name = f"hopper-fmha:{variant or AUTO}" + (f"@{tile[0]}x{tile[1]}" if tile else "")
     name += f"/{schedule}" if schedule else ""
     return Backend(name=name, label=name, build=build, ours=True)
 
@@ -222,16 +228,18 @@ def _variants() -> tuple[str, ...]:
 
 
 def get_backend(name: str) -> list[Backend]:
-    """The backend(s) a name stands for; `hopper-fmha` alone expands to every variant."""
+    """The backend(s) a name stands for; `hopper-fmha` alone expands to `auto` and every variant."""
     name = ALIASES.get(name, name)
     if name in REGISTRY:
         return [REGISTRY[name]]
     if name == "hopper-fmha":
-        return [_ours(v, None) for v in _variants()]
+        return [_ours(None, None)] + [_ours(v, None) for v in _variants()]
     if name.startswith("hopper-fmha:"):
         spec = name.removeprefix("hopper-fmha:")
         spec, _, schedule = spec.partition("/")
         variant, _, tile_text = spec.partition("@")
+        if variant == AUTO and not tile_text:
+            return [_ours(None, None, schedule or None)]
         if variant not in _variants():
             raise ValueError(f"unknown hopper-fmha variant {variant!r} in {name!r}; variants: {_variants()}")
         if schedule and schedule not in ("auto", "persistent", "single"):

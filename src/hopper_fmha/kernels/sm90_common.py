@@ -1,4 +1,5 @@
-"""Pieces both SM90 kernels use: accumulator layout views, the WGMMA issue helper, constants."""
+"""Pieces both SM90 kernels use: accumulator layout views, the WGMMA issue helper, the paired
+fp32 -> fp16/bf16 conversion, constants."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import const_expr
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -64,3 +67,31 @@ def gemm(
     warpgroup.commit_group()
     if const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)
+
+
+@dsl_user_op
+def pack_f32x2(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
+    """Two fp32 values -> one register of fp16x2/bf16x2 (round to nearest even), `lo` in bits 0-15."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    packed = llvm.inline_asm(
+        T.i32(),
+        [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $2, $1;",  # cvt.rn.*x2 puts its first source in the upper half
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(packed)
+
+
+@cute.jit
+def convert(src: cute.Tensor, dst: cute.Tensor):
+    """fp32 register tensor -> fp16/bf16 tensor of the same compact layout, two values per instruction.
+
+    `dst.store(src.load().to(dtype))` packs fp16 pairs but, for bf16, converts many values one at a
+    time and merges them with PRMT (60 extra instructions per 64x80 tile at d256, and a spill).
+    """
+    dst_words = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst_words)):
+        dst_words[i] = pack_f32x2(src[2 * i], src[2 * i + 1], dst.element_type)

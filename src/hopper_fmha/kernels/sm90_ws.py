@@ -46,12 +46,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from .sm90_common import LN_2, LOG2_E, acc_mn_layout, acc_to_operand_a_layout, gemm
+from .sm90_common import LN_2, LOG2_E, acc_mn_layout, acc_to_operand_a_layout, convert, gemm
 
 WARPGROUP = 128
 # Named barrier ids (0 is __syncthreads).
@@ -329,6 +327,21 @@ class WsFwdSm90:
         return m_block, hb % num_heads, hb // num_heads
 
     @cute.jit
+    def next_tile(self, tile: Int32, cta: Int32, num_ctas: Int32) -> Int32:
+        """The CTA's next tile: rounds of num_ctas tiles, dealt in serpentine order.
+
+        Round r takes tiles [r * num_ctas, (r + 1) * num_ctas); CTA c gets the c-th of an even
+        round and the c-th from the end of an odd one. On a longest-first order (causal) a CTA
+        with a long tile in one round gets a short one in the next, so the work evens out
+        without a global counter. A CTA whose tile is past the end has none in later rounds.
+        """
+        round_start = tile - tile % num_ctas + num_ctas
+        nxt = round_start + cta
+        if (round_start // num_ctas) % 2 == 1:
+            nxt = round_start + num_ctas - 1 - cta
+        return nxt
+
+    @cute.jit
     def num_tiles(self, sched) -> Int32:
         seqlen_q, seqlen_k, num_heads, num_batch, lpt_group = sched
         return (seqlen_q + self.tile_m - 1) // self.tile_m * num_heads * num_batch
@@ -379,8 +392,9 @@ class WsFwdSm90:
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         seqlen_q, seqlen_k = sched[0], sched[1]
         num_tiles = self.num_tiles(sched)
-        tile = cute.arch.block_idx()[0]
-        step = cute.arch.grid_dim()[0]
+        cta = cute.arch.block_idx()[0]
+        num_ctas = cute.arch.grid_dim()[0]
+        tile = cta
         q_phase = Int32(0)
         while tile < num_tiles:
             m_block, head, batch = self.tile_coords(tile, sched)
@@ -421,7 +435,7 @@ class WsFwdSm90:
                         n_block = n_max - 2 - i
                         k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
                         v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block)
-            tile += step
+            tile = self.next_tile(tile, cta, num_ctas)
         # Stay until the consumers have released every buffer: no arrive lands after exit.
         pipeline_k.producer_tail(k_state)
         pipeline_v.producer_tail(v_state)
@@ -503,8 +517,9 @@ class WsFwdSm90:
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         num_tiles = self.num_tiles(sched)
-        tile = cute.arch.block_idx()[0]
-        step = cute.arch.grid_dim()[0]
+        cta = cute.arch.block_idx()[0]
+        num_ctas = cute.arch.grid_dim()[0]
+        tile = cta
         q_phase = Int32(0)
         while tile < num_tiles:
             m_block, head, batch = self.tile_coords(tile, sched)
@@ -552,7 +567,7 @@ class WsFwdSm90:
                 acc_O, row_max, row_sum, scale_log2, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
                 thr_mma_pv, tidx, m_block, head, batch, seqlen_q,
             )  # fmt: skip
-            tile += step
+            tile = self.next_tile(tile, cta, num_ctas)
         if const_expr(self.separate_o):
             if tidx // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store has read sO
@@ -908,31 +923,3 @@ class WsFwdSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive(mbar_Q_empty)
-
-
-@dsl_user_op
-def pack_f32x2(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
-    """Two fp32 values -> one register of fp16x2/bf16x2 (round to nearest even), `lo` in bits 0-15."""
-    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
-    packed = llvm.inline_asm(
-        T.i32(),
-        [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{kind}.f32 $0, $2, $1;",  # cvt.rn.*x2 puts its first source in the upper half
-        "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Int32(packed)
-
-
-@cute.jit
-def convert(src: cute.Tensor, dst: cute.Tensor):
-    """fp32 register tensor -> fp16/bf16 tensor of the same compact layout, two values per instruction.
-
-    `dst.store(src.load().to(dtype))` packs fp16 pairs but, for bf16, converts many values one at a
-    time and merges them with PRMT (60 extra instructions per 64x80 tile at d256, and a spill).
-    """
-    dst_words = cute.recast_tensor(dst, Int32)
-    for i in cutlass.range_constexpr(cute.size(dst_words)):
-        dst_words[i] = pack_f32x2(src[2 * i], src[2 * i + 1], dst.element_type)
