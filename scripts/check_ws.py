@@ -31,7 +31,7 @@ import torch
 
 from hopper_fmha import config
 from hopper_fmha.bench.flops import attention_flops, matmul_flops, tflops
-from hopper_fmha.kernels import KernelKey, get_kernel, schedule
+from hopper_fmha.kernels import KernelKey, _tile_counters, get_kernel, schedule
 from hopper_fmha.reference import reference
 
 PRESET = ((64, 32), (128, 16), (256, 8))  # (head_dim, heads) at hidden 2048
@@ -65,7 +65,7 @@ def paper_key(dtype: str, head_dim: int, causal: bool) -> KernelKey:
 def timed_backends(head_dim: int, causal: bool) -> dict[str, KernelKey]:
     """name -> kernel; a name ending in /single or /persistent runs that schedule instead of the default."""
     ours = {"ws": ws_key("float16", head_dim, causal), "paper": paper_key("float16", head_dim, causal)}
-    ours["ws/single" if not causal else "ws/persistent"] = ours["ws"]
+    ours["ws/single"] = ours["ws"]
     if head_dim == 64:  # 2 consumer warpgroups instead of 3
         ours["ws-128x128"] = ws_key("float16", 64, causal, (128, 128))
     if head_dim == 128:  # the two ablations, where FA3 measured them; FA3's non-causal tile
@@ -109,7 +109,10 @@ def run_ws(q, k, v, causal, key, max_ctas=None):
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan, device=q.device, dtype=torch.float32)
     ctas, lpt_group = schedule(q, k, causal)
     ctas = ctas if max_ctas is None else max_ctas
-    get_kernel(key)(q, k, v, out, lse, q.shape[-1] ** -0.5, q.shape[2] // k.shape[2], ctas, lpt_group)
+    counters, slot = _tile_counters(q.device, ctas > 0 and causal)
+    get_kernel(key)(
+        q, k, v, out, lse, q.shape[-1] ** -0.5, q.shape[2] // k.shape[2], ctas, lpt_group, counters, slot
+    )
     return out, lse
 
 
@@ -235,7 +238,8 @@ def peers(causal: bool) -> dict:
 def launcher(fn, out, lse, scale, causal, mode=None):
     def run(q, k, v):
         max_ctas, lpt_group = schedule(q, k, causal, mode)
-        return fn(q, k, v, out, lse, scale, 1, max_ctas, lpt_group)
+        counters, slot = _tile_counters(q.device, max_ctas > 0 and causal)
+        return fn(q, k, v, out, lse, scale, 1, max_ctas, lpt_group, counters, slot)
 
     return run
 

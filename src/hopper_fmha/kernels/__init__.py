@@ -25,8 +25,8 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, get_kernel  # noqa: E402, F401
 from .inspect import compile_report  # noqa: E402, F401
 
-# How the ws variant walks its tiles: "auto" (persistent when not causal, one CTA per tile in
-# longest-first order when causal), "persistent" or "single" (one CTA per tile). For measurement.
+# How the ws variant walks its tiles: "auto"/"persistent" (one CTA per SM, looping over tiles)
+# or "single" (one CTA per tile; causal tiles still longest first). For measurement.
 SCHEDULE = "auto"
 SCHEDULES = ("auto", "persistent", "single")
 # Persistent CTAs; None: one per SM. Tests set a small number so that every CTA runs many tiles.
@@ -41,18 +41,19 @@ def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg) -> None:
         fn(q, k, v, out, lse, softmax_scale, q.shape[2] // k.shape[2])
         return
     max_ctas, lpt_group = schedule(q, k, causal)
-    fn(q, k, v, out, lse, softmax_scale, q.shape[2] // k.shape[2], max_ctas, lpt_group)
+    counters, slot = _tile_counters(q.device, max_ctas > 0 and causal)
+    fn(q, k, v, out, lse, softmax_scale, q.shape[2] // k.shape[2], max_ctas, lpt_group, counters, slot)
 
 
 def schedule(q, k, causal: bool, mode: str | None = None) -> tuple[int, int]:
     """(max_ctas, lpt_group) for the ws kernel: 0 CTAs means one per tile, 0 group means no LPT.
 
-    Persistent CTAs (one per SM) overlap a tile's epilogue with the next tile's loads; tiles
-    of equal work divide evenly among them. Causal tiles differ in work, so they run one CTA
-    per tile, longest first, and the hardware hands each free SM the next one.
+    Persistent CTAs (one per SM) overlap a tile's epilogue with the next tile's loads. Tiles of
+    equal work are dealt in a fixed serpentine order; causal tiles, longest first, go to
+    whichever CTA asks next (a global counter).
     """
     mode = SCHEDULE if mode is None else mode
-    persistent = mode == "persistent" or (mode == "auto" and not causal)
+    persistent = mode in ("auto", "persistent")
     max_ctas = 0
     if persistent:
         max_ctas = PERSISTENT_CTAS if PERSISTENT_CTAS is not None else _sm_count(q.device.index)
@@ -62,6 +63,28 @@ def schedule(q, k, causal: bool, mode: str | None = None) -> tuple[int, int]:
         fit = max(1, LPT_L2_BYTES // max(kv_head_bytes, 1))
         lpt_group = 1 << (fit.bit_length() - 1)  # a power of two, as FlashAttention's LPT scheduler
     return max_ctas, lpt_group
+
+
+# Persistent causal launches take tiles from a pair of int32 counters in global memory, which
+# the launch's last CTA sets back to zero. Each launch uses the next of COUNTER_SLOTS pairs, so
+# launches in flight at the same time on different streams do not share one.
+COUNTER_SLOTS = 4096
+_COUNTERS: dict = {}
+_next_slot = 0
+
+
+def _tile_counters(device, needed: bool):
+    """(counter buffer, slot) for a launch; a dummy slot 0 when the launch does not count."""
+    global _next_slot
+    buf = _COUNTERS.get(device.index)
+    if buf is None:
+        import torch
+
+        buf = _COUNTERS[device.index] = torch.zeros(2 * COUNTER_SLOTS, dtype=torch.int32, device=device)
+    if not needed:
+        return buf, 0
+    _next_slot = (_next_slot + 1) % COUNTER_SLOTS
+    return buf, _next_slot
 
 
 _SM_COUNTS: dict = {}

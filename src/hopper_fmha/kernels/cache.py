@@ -103,7 +103,7 @@ def _kernel_object(key: KernelKey):
 
 def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
     """Compile-time stand-ins for (q, k, v, out, lse, scale, qhead_per_kvhead, [ws: max_ctas,
-    lpt_group,] stream).
+    lpt_group, tile_counters, counter_slot,] stream).
 
     Batch, sequence lengths and head counts are symbolic, so one compiled kernel serves them all;
     strides are symbolic 64-bit values divisible by 8 elements (16 bytes, as TMA requires).
@@ -130,8 +130,11 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(1))
-    if key.variant == "ws":  # max_ctas, lpt_group (hopper_fmha.kernels.schedule)
-        scalars += (cutlass.Int32(0), cutlass.Int32(0))
+    if key.variant == "ws":  # max_ctas, lpt_group (hopper_fmha.kernels.schedule), tile counters, slot
+        counters = cute.runtime.make_fake_tensor(
+            cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4
+        )
+        scalars += (cutlass.Int32(0), cutlass.Int32(0), counters, cutlass.Int32(0))
     return (q, k, v, o, lse, *scalars, stream)
 
 

@@ -91,6 +91,9 @@ class WsFwdSm90:
         # instead of after GEMM-II completes, where it delays the next GEMMs (overlapped loop
         # only). FlashAttention-4 does so above d = 128, where O is the largest.
         self.rescale_o_early = rescale_o_early and intra_wg_overlap
+        # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
+        # differ in work (causal), else in a fixed serpentine order (`next_tile`).
+        self.dynamic_schedule = causal
         self.num_mma_wg = tile_m // 64
         self.num_mma_threads = WARPGROUP * self.num_mma_wg
         self.num_threads = WARPGROUP + self.num_mma_threads
@@ -145,12 +148,15 @@ class WsFwdSm90:
         qhead_per_kvhead: Int32,
         max_ctas: Int32,
         lpt_group: Int32,
+        tile_counters: cute.Tensor,  # int32, 2 per slot, zero between launches
+        counter_slot: Int32,
         stream: cuda.CUstream,
     ):
         """Launch over every (m_block, head, batch) tile; `max_ctas` > 0 makes it persistent.
 
         max_ctas: 0 launches one CTA per tile; otherwise min(max_ctas, tiles) CTAs each loop over
-        tiles blockIdx.x, blockIdx.x + gridDim.x, ... lpt_group: > 0 orders tiles longest first
+        tiles: causal ones through the counters of `counter_slot` (which the last CTA to finish
+        sets back to zero), others in serpentine order. lpt_group: > 0 orders tiles longest first
         (causal) within groups of that many (head, batch) pairs, whose K and V fit in L2 together.
         """
         # Sequence first, as the TMA tiles and WGMMA expect: (s, d, h, b) and LSE (s, h, b).
@@ -183,6 +189,7 @@ class WsFwdSm90:
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]  # full + empty per stage
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_Q_empty: cute.struct.MemRange[cutlass.Int64, 1]
+            tile_index: cute.struct.MemRange[Int32, 4]  # the tile Q's barrier announces
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sO: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) if self.separate_o else 8], 1024
@@ -208,6 +215,8 @@ class WsFwdSm90:
             softmax_scale * LOG2_E,
             qhead_per_kvhead,
             lpt_group,
+            tile_counters,
+            counter_slot,
             sQ_layout,
             sK_layout,
             sV_layout,
@@ -232,6 +241,8 @@ class WsFwdSm90:
         scale_log2: Float32,
         qhead_per_kvhead: Int32,
         lpt_group: Int32,
+        tile_counters: cute.Tensor,
+        counter_slot: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -286,19 +297,21 @@ class WsFwdSm90:
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
 
         sched = (mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3], lpt_group)
+        s_tile = storage.tile_index.get_tensor(cute.make_layout(1))
+        counters = tile_counters.iterator + 2 * counter_slot
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.producer(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_Q, mbar_Q_empty,
-                    pipeline_k, pipeline_v, qhead_per_kvhead, sched,
+                    pipeline_k, pipeline_v, qhead_per_kvhead, sched, s_tile, counters,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
             self.consumer(
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, mbar_Q, mbar_Q_empty, pipeline_k, pipeline_v,
-                tma_atom_O, mO, mLSE, scale_log2, tidx, sched,
+                tma_atom_O, mO, mLSE, scale_log2, tidx, sched, s_tile,
             )  # fmt: skip
 
     @cute.jit
@@ -382,11 +395,15 @@ class WsFwdSm90:
         pipeline_v: pipeline.PipelineAsync,
         qhead_per_kvhead: Int32,
         sched,
+        s_tile: cute.Tensor,
+        counters: cute.Pointer,
     ):
         """One warp: every TMA load, tile after tile, in the order the consumers use them.
 
         The K/V pipelines run on across tiles, so the next tile's first blocks load while the
-        consumers finish this one; Q waits until the consumers release Q's buffer.
+        consumers finish this one; Q waits until the consumers release Q's buffer. With Q's
+        barrier the producer also announces the tile (in `s_tile`), and at the end a tile
+        index past the last one, with no load, which tells the consumers to stop.
         """
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -412,12 +429,15 @@ class WsFwdSm90:
             tVsV, tVgV = cpasync.tma_partition(
                 tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
             )
+            # Ask for the next tile now; the answer is needed only after this tile's loads.
+            next_tile = self.fetch_tile(tile, cta, num_ctas, counters)
             if n_max > 0:
                 k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_max - 1)
             # Q is loaded for every tile (also one whose rows see no key) so that both sides
             # count Q's phases alike.
             cute.arch.mbarrier_wait(mbar_Q_empty, q_phase ^ 1)
             with cute.arch.elect_one():
+                s_tile[0] = tile
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar_Q, cute.size_in_bytes(self.dtype, sQ.layout))
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=mbar_Q)
             q_phase = q_phase ^ 1
@@ -435,10 +455,33 @@ class WsFwdSm90:
                         n_block = n_max - 2 - i
                         k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
                         v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block)
-            tile = self.next_tile(tile, cta, num_ctas)
+            tile = next_tile
+        # No more tiles: announce an index past the last one, without a load.
+        cute.arch.mbarrier_wait(mbar_Q_empty, q_phase ^ 1)
+        with cute.arch.elect_one():
+            s_tile[0] = tile
+            cute.arch.mbarrier_arrive(mbar_Q)
+        if const_expr(self.dynamic_schedule):
+            # The last CTA to get here zeroes the counters for the next launch: every CTA has
+            # had its last answer from the tile counter before it increments the second one.
+            with cute.arch.elect_one():
+                done = cute.arch.atomic_add(counters + 1, Int32(1), sem="acq_rel", scope="gpu")
+                if done == num_ctas - 1:
+                    cute.arch.atomic_exch(counters, Int32(0), sem="relaxed", scope="gpu")
+                    cute.arch.atomic_exch(counters + 1, Int32(0), sem="relaxed", scope="gpu")
         # Stay until the consumers have released every buffer: no arrive lands after exit.
         pipeline_k.producer_tail(k_state)
         pipeline_v.producer_tail(v_state)
+
+    @cute.jit
+    def fetch_tile(self, tile: Int32, cta: Int32, num_ctas: Int32, counters: cute.Pointer) -> Int32:
+        """The tile after `tile` for this CTA: from the global counter, or serpentine."""
+        if const_expr(self.dynamic_schedule):
+            nxt = Int32(0)
+            if cute.arch.lane_idx() == 0:
+                nxt = cute.arch.atomic_add(counters, Int32(1), sem="relaxed", scope="gpu") + num_ctas
+            return cute.arch.shuffle_sync(nxt, 0)
+        return self.next_tile(tile, cta, num_ctas)
 
     @cute.jit
     def load_block(
@@ -481,6 +524,7 @@ class WsFwdSm90:
         scale_log2: Float32,
         tidx: Int32,
         sched,
+        s_tile: cute.Tensor,
     ):
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         # smem operand descriptors are per warpgroup; accumulators per thread.
@@ -517,10 +561,10 @@ class WsFwdSm90:
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         num_tiles = self.num_tiles(sched)
-        cta = cute.arch.block_idx()[0]
-        num_ctas = cute.arch.grid_dim()[0]
-        tile = cta
-        q_phase = Int32(0)
+        # Each tile (and the end) is announced with Q's barrier.
+        cute.arch.mbarrier_wait(mbar_Q, 0)
+        tile = s_tile[0]
+        q_phase = Int32(1)
         while tile < num_tiles:
             m_block, head, batch = self.tile_coords(tile, sched)
             n_max, n_unmasked = self.block_range(m_block, seqlen_q, seqlen_k)
@@ -532,8 +576,6 @@ class WsFwdSm90:
                 row_sum, o_scale, tScS_mn, pipeline_k, pipeline_v, scale_log2, m_block, seqlen_q, seqlen_k,
                 wg,
             )  # fmt: skip
-            cute.arch.mbarrier_wait(mbar_Q, q_phase)
-            q_phase = q_phase ^ 1
             if n_max > 0:
                 n_first = n_max - 1
                 n_masked_end = cutlass.min(n_unmasked, n_first)  # blocks [n_masked_end, n_first) need a mask
@@ -567,7 +609,9 @@ class WsFwdSm90:
                 acc_O, row_max, row_sum, scale_log2, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
                 thr_mma_pv, tidx, m_block, head, batch, seqlen_q,
             )  # fmt: skip
-            tile = self.next_tile(tile, cta, num_ctas)
+            cute.arch.mbarrier_wait(mbar_Q, q_phase)
+            q_phase = q_phase ^ 1
+            tile = s_tile[0]
         if const_expr(self.separate_o):
             if tidx // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store has read sO
