@@ -13,10 +13,15 @@ import sys
 import torch
 
 import hopper_fmha
+from hopper_fmha import kernels
 from hopper_fmha.reference import reference
 
 variants = sys.argv[1:] or ["paper", "ws"]
-for variant in variants:
+# ws also with 3 persistent CTAs, so that each runs several tiles (Q's barrier phases, the O
+# buffer and, causal, the global tile counter reused across tiles).
+runs = [(v, None) for v in variants] + ([("ws", 3)] if "ws" in variants else [])
+for variant, ctas in runs:
+    kernels.PERSISTENT_CTAS = ctas
     for d in (64, 128, 256):
         for causal in (False, True):
             torch.manual_seed(d)
@@ -26,4 +31,4 @@ for variant in variants:
             out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, variant=variant)
             ref, _ = reference(q, k, v, causal=causal)
             err = (out.float() - ref).abs().max().item()
-            print(f"{variant} d={d} causal={causal}: max error {err:.2e}", flush=True)
+            print(f"{variant} ctas={ctas} d={d} causal={causal}: max error {err:.2e}", flush=True)

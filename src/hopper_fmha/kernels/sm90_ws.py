@@ -1,8 +1,8 @@
-"""Warp-specialized FlashAttention forward for Hopper (FlashAttention-3's design), one CTA per tile.
+"""Warp-specialized FlashAttention forward for Hopper (FlashAttention-3's design), persistent.
 
-Algorithm, per CTA = one tile of `tile_m` query rows of one (batch, head); each consumer
-warpgroup owns 64 of those rows and runs the loop below on its own, key blocks visited from the
-last (the only ones that need a mask come first) down to block 0:
+Algorithm, per tile = `tile_m` query rows of one (batch, head); each consumer warpgroup owns 64
+of those rows and runs the loop below on its own, key blocks visited from the last (the only
+ones that need a mask come first) down to block 0:
 
     S = Q K_last^T; mask; online softmax; P = fp16/bf16(S)              (first block)
     for j = last-1 .. 0:
@@ -11,18 +11,23 @@ last (the only ones that need a mask come first) down to block 0:
         mask S_next (first iterations only); online softmax   <- overlaps GEMM-II
         wait GEMM-II; P = fp16/bf16(S_next); O *= exp(m_old - m_new)
     O += P V_0
-    O /= rowsum; LSE = m + log(rowsum); O -> smem (stmatrix, Q's buffer) -> TMA store
+    O /= rowsum; LSE = m + log(rowsum); O -> smem (stmatrix) -> TMA store
 
 Warp roles (`num_threads` = 128 * (1 + tile_m / 64)):
-    warpgroup 0      producer. Its warp 0 issues every TMA load: K_last, Q, then K_{j} ahead
-                     of V_{j+1} (GEMM-I of a block needs K only), through two mbarrier
-                     pipelines (K and V, `num_stages` buffers each) and Q's own barrier.
+    warpgroup 0      producer. Its warp 0 walks the CTA's tiles, announces each to the
+                     consumers (`announce`) and issues every TMA load: K_last, Q, then K_{j}
+                     ahead of V_{j+1} (GEMM-I of a block needs K only), through two mbarrier
+                     pipelines (K and V, `num_stages` buffers each) and Q's full/empty barriers.
     warpgroups 1..   consumers, 64 query rows each: both GEMMs, softmax, epilogue.
+Persistent CTAs (one per SM, `max_ctas`) loop over tiles; the K/V pipelines run on across
+tiles, so the next tile's loads overlap this tile's last blocks and epilogue. Tiles of equal
+work go in a fixed serpentine order; causal tiles, longest first within groups of heads whose
+K/V fit in L2, go to whichever CTA takes the next index from a global counter.
 Pingpong (`pingpong=True`): the consumer warpgroups pass a token around a ring of named
 barriers and issue their GEMMs only while holding it, so one warpgroup's softmax runs while
 the other's GEMMs occupy the tensor cores (FlashAttention-3's warp scheduler barriers).
+`rescale_o_early` (d = 256) rescales O while GEMM-I runs instead of after GEMM-II.
 `intra_wg_overlap=False` gives the plain loop (GEMM-I, softmax, GEMM-II, each waited).
-Causal grids run their query tiles longest first (blockIdx.x reversed).
 
 Register split (setmaxnreg; needs `min_blocks_per_mp=1` at launch or ptxas ignores it):
 2 consumer warpgroups: producer 24, consumers 240; 3 consumer warpgroups: 32 and 160
@@ -31,8 +36,9 @@ Per consumer thread: O (head_dim/2 fp32), S (tile_n/2 fp32) and P (tile_n/4 32-b
 are live together across the overlapped step. P and O are packed to 16 bits two values per
 instruction (`convert`): the DSL's `.to()` did not pair bf16 values and cost registers.
 
-Shared memory: Q (tile_m x d), K and V (num_stages x tile_n x d each), 128B-swizzled; O
-reuses Q's buffer. Named barriers: 0 = __syncthreads (setup), 1 = epilogue, 2.. = pingpong ring.
+Shared memory: Q (tile_m x d), K and V (num_stages x tile_n x d each), 128B-swizzled; O has its
+own buffer where it fits (d <= 128), else reuses Q's. Named barriers: 0 = __syncthreads
+(setup), 1 = epilogue, 2.. = pingpong ring, 5/6 = tile index written/read.
 
 Constraints: head_dim in {64, 128, 256}; fp16/bf16 in, fp32 accumulate; tile_m in {128, 192};
 tile_n a multiple of 16 (the P·V K-blocks), at most 256 (WGMMA N); bottom-right causal.
@@ -55,6 +61,8 @@ WARPGROUP = 128
 # Named barrier ids (0 is __syncthreads).
 BARRIER_EPILOGUE = 1
 BARRIER_PINGPONG = 2  # + consumer warpgroup index: the barrier that warpgroup waits on for its turn
+BARRIER_TILE_FULL = 5  # the producer has written the next tile index
+BARRIER_TILE_EMPTY = 6  # every consumer thread has read it
 # (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 SMEM_LIMIT_BYTES = 227 * 1024  # dynamic shared memory per CTA on sm_90
@@ -189,7 +197,7 @@ class WsFwdSm90:
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]  # full + empty per stage
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_Q_empty: cute.struct.MemRange[cutlass.Int64, 1]
-            tile_index: cute.struct.MemRange[Int32, 4]  # the tile Q's barrier announces
+            tile_index: cute.struct.MemRange[Int32, 4]  # the tile the producer announces
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sO: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) if self.separate_o else 8], 1024
@@ -401,9 +409,9 @@ class WsFwdSm90:
         """One warp: every TMA load, tile after tile, in the order the consumers use them.
 
         The K/V pipelines run on across tiles, so the next tile's first blocks load while the
-        consumers finish this one; Q waits until the consumers release Q's buffer. With Q's
-        barrier the producer also announces the tile (in `s_tile`), and at the end a tile
-        index past the last one, with no load, which tells the consumers to stop.
+        consumers finish this one; Q waits until the consumers release Q's buffer. Each tile is
+        announced to the consumers through `s_tile` (`announce`), and at the end an index past
+        the last tile, which tells them to stop.
         """
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -413,7 +421,10 @@ class WsFwdSm90:
         num_ctas = cute.arch.grid_dim()[0]
         tile = cta
         q_phase = Int32(0)
+        announced = Int32(0)
         while tile < num_tiles:
+            self.announce(s_tile, tile, announced)
+            announced += 1
             m_block, head, batch = self.tile_coords(tile, sched)
             head_kv = head // qhead_per_kvhead
             n_max, _ = self.block_range(m_block, seqlen_q, seqlen_k)
@@ -437,7 +448,6 @@ class WsFwdSm90:
             # count Q's phases alike.
             cute.arch.mbarrier_wait(mbar_Q_empty, q_phase ^ 1)
             with cute.arch.elect_one():
-                s_tile[0] = tile
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar_Q, cute.size_in_bytes(self.dtype, sQ.layout))
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=mbar_Q)
             q_phase = q_phase ^ 1
@@ -456,11 +466,7 @@ class WsFwdSm90:
                         k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
                         v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block)
             tile = next_tile
-        # No more tiles: announce an index past the last one, without a load.
-        cute.arch.mbarrier_wait(mbar_Q_empty, q_phase ^ 1)
-        with cute.arch.elect_one():
-            s_tile[0] = tile
-            cute.arch.mbarrier_arrive(mbar_Q)
+        self.announce(s_tile, tile, announced)  # past the last tile: the consumers stop
         if const_expr(self.dynamic_schedule):
             # The last CTA to get here zeroes the counters for the next launch: every CTA has
             # had its last answer from the tile counter before it increments the second one.
@@ -472,6 +478,27 @@ class WsFwdSm90:
         # Stay until the consumers have released every buffer: no arrive lands after exit.
         pipeline_k.producer_tail(k_state)
         pipeline_v.producer_tail(v_state)
+
+    @cute.jit
+    def announce(self, s_tile: cute.Tensor, tile: Int32, announced: Int32):
+        """Producer warp: write the next tile index once the consumers have read the last one.
+
+        Named barriers (not an mbarrier) order the shared-memory word, so that compute-sanitizer's
+        racecheck sees the synchronization: TILE_EMPTY (the consumers arrive after reading) before
+        writing, TILE_FULL (the consumers wait) after.
+        """
+        threads = 32 + self.num_mma_threads
+        if announced > 0:
+            cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=threads)
+        with cute.arch.elect_one():
+            s_tile[0] = tile
+        cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL, number_of_threads=threads)
+
+    @cute.jit
+    def next_announced(self, s_tile: cute.Tensor) -> Int32:
+        """Consumers: the tile the producer announced next."""
+        cute.arch.barrier(barrier_id=BARRIER_TILE_FULL, number_of_threads=32 + self.num_mma_threads)
+        return s_tile[0]
 
     @cute.jit
     def fetch_tile(self, tile: Int32, cta: Int32, num_ctas: Int32, counters: cute.Pointer) -> Int32:
@@ -561,11 +588,14 @@ class WsFwdSm90:
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         num_tiles = self.num_tiles(sched)
-        # Each tile (and the end) is announced with Q's barrier.
-        cute.arch.mbarrier_wait(mbar_Q, 0)
-        tile = s_tile[0]
-        q_phase = Int32(1)
+        q_phase = Int32(0)
+        tile = self.next_announced(s_tile)
         while tile < num_tiles:
+            # Read: the producer may write the next index (the last one, past the end, is not
+            # acknowledged; the producer announces nothing after it).
+            cute.arch.barrier_arrive(
+                barrier_id=BARRIER_TILE_EMPTY, number_of_threads=32 + self.num_mma_threads
+            )
             m_block, head, batch = self.tile_coords(tile, sched)
             n_max, n_unmasked = self.block_range(m_block, seqlen_q, seqlen_k)
             acc_O.fill(0.0)
@@ -576,6 +606,8 @@ class WsFwdSm90:
                 row_sum, o_scale, tScS_mn, pipeline_k, pipeline_v, scale_log2, m_block, seqlen_q, seqlen_k,
                 wg,
             )  # fmt: skip
+            cute.arch.mbarrier_wait(mbar_Q, q_phase)
+            q_phase = q_phase ^ 1
             if n_max > 0:
                 n_first = n_max - 1
                 n_masked_end = cutlass.min(n_unmasked, n_first)  # blocks [n_masked_end, n_first) need a mask
@@ -609,9 +641,7 @@ class WsFwdSm90:
                 acc_O, row_max, row_sum, scale_log2, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
                 thr_mma_pv, tidx, m_block, head, batch, seqlen_q,
             )  # fmt: skip
-            cute.arch.mbarrier_wait(mbar_Q, q_phase)
-            q_phase = q_phase ^ 1
-            tile = s_tile[0]
+            tile = self.next_announced(s_tile)
         if const_expr(self.separate_o):
             if tidx // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store has read sO
