@@ -132,12 +132,11 @@ WS_MAX_TILE_N = 256  # WGMMA N of GEMM-I
 
 def ws_reg_overhead(head_dim: int) -> int:
     # Registers a consumer thread needs besides O, S and P (addresses, pipeline states, row
-    # statistics, the mask's coordinates, the persistent tile loop): 20 + head_dim/8, i.e. 28 /
-    # 36 / 52 at d = 64 / 128 / 256. Calibrated against ptxas (nvidia-cutlass-dsl 4.8.1, causal,
-    # fp16 and bf16) on the ws tiles at the edges of both budgets: accepts exactly those that
-    # compile without spills (NOTES.md, "ws register budget"); a compile-tier test keeps the two
-    # in agreement.
-    return 20 + head_dim // 8
+    # statistics, the mask's coordinates, the persistent tile loop): 28. Calibrated against
+    # ptxas (nvidia-cutlass-dsl 4.8.1, causal, fp16 and bf16) on the ws tiles at the edges of
+    # both budgets: accepts exactly those that compile without spills (NOTES.md, "ws register
+    # budget"); a compile-tier test keeps the two in agreement.
+    return 28
 
 
 def ws_register_estimate(head_dim: int, tile_n: int) -> int:
