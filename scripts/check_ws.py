@@ -31,7 +31,7 @@ import torch
 
 from hopper_fmha import config
 from hopper_fmha.bench.flops import attention_flops, matmul_flops, tflops
-from hopper_fmha.kernels import KernelKey, _tile_counters, get_kernel, schedule
+from hopper_fmha.kernels import KernelKey, get_kernel, launch
 from hopper_fmha.reference import reference
 
 PRESET = ((64, 32), (128, 16), (256, 8))  # (head_dim, heads) at hidden 2048
@@ -107,12 +107,7 @@ def run_ws(q, k, v, causal, key, max_ctas=None):
     """One launch; max_ctas None: the default schedule, else that many persistent CTAs (0: one per tile)."""
     out = torch.full_like(q, math.nan)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan, device=q.device, dtype=torch.float32)
-    ctas, lpt_group = schedule(q, k, causal)
-    ctas = ctas if max_ctas is None else max_ctas
-    counters, slot = _tile_counters(q.device, ctas > 0 and causal)
-    get_kernel(key)(
-        q, k, v, out, lse, q.shape[-1] ** -0.5, q.shape[2] // k.shape[2], ctas, lpt_group, counters, slot
-    )
+    launch(get_kernel(key), q, k, v, out, lse, q.shape[-1] ** -0.5, causal, ws=True, max_ctas=max_ctas)
     return out, lse
 
 
@@ -235,13 +230,8 @@ def peers(causal: bool) -> dict:
     return fns
 
 
-def launcher(fn, out, lse, scale, causal, mode=None):
-    def run(q, k, v):
-        max_ctas, lpt_group = schedule(q, k, causal, mode)
-        counters, slot = _tile_counters(q.device, max_ctas > 0 and causal)
-        return fn(q, k, v, out, lse, scale, 1, max_ctas, lpt_group, counters, slot)
-
-    return run
+def launcher(fn, out, lse, scale, causal, ws, mode=None):
+    return lambda q, k, v: launch(fn, q, k, v, out, lse, scale, causal, ws=ws, mode=mode)
 
 
 def stage_timing() -> None:
@@ -256,11 +246,7 @@ def stage_timing() -> None:
                 lse = torch.empty(BATCH, heads, SEQLEN, device="cuda", dtype=torch.float32)
                 mode = name.partition("/")[2] or None
                 fn = get_kernel(key)
-                fns[name] = (
-                    launcher(fn, out, lse, d**-0.5, causal, mode)
-                    if key.variant == "ws"
-                    else (lambda q, k, v, fn=fn, out=out, lse=lse, d=d: fn(q, k, v, out, lse, d**-0.5, 1))
-                )
+                fns[name] = launcher(fn, out, lse, d**-0.5, causal, key.variant == "ws", mode)
             fns.update(peers(causal))
             row = {"d": d, "causal": causal}
             samples: dict[str, list[float]] = {name: [] for name in fns}

@@ -242,10 +242,10 @@ def get_backend(name: str) -> list[Backend]:
             return [_ours(None, None, schedule or None)]
         if variant not in _variants():
             raise ValueError(f"unknown hopper-fmha variant {variant!r} in {name!r}; variants: {_variants()}")
-        if schedule and schedule not in ("auto", "persistent", "single"):
-            raise ValueError(
-                f"unknown schedule {schedule!r} in {name!r}; schedules: auto, persistent, single"
-            )
+        from hopper_fmha.kernels import SCHEDULES
+
+        if schedule and schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r} in {name!r}; schedules: {', '.join(SCHEDULES)}")
         return [_ours(variant, parse_tile(tile_text) if tile_text else None, schedule or None)]
     known = sorted(set(REGISTRY) | set(ALIASES)) + ["hopper-fmha", "hopper-fmha:<variant>[@MxN][/schedule]"]
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(known)}")

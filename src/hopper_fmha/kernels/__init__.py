@@ -37,12 +37,24 @@ LPT_L2_BYTES = 50 * 1024 * 1024
 
 def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg) -> None:
     fn = get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg))
-    if cfg.variant != "ws":
-        fn(q, k, v, out, lse, softmax_scale, q.shape[2] // k.shape[2])
+    launch(fn, q, k, v, out, lse, softmax_scale, causal, ws=cfg.variant == "ws")
+
+
+def launch(fn, q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None) -> None:
+    """Call a compiled kernel with its arguments; for ws, the schedule's (see `schedule`).
+
+    mode and max_ctas override SCHEDULE and the CTA count (measurement and tests).
+    """
+    group = q.shape[2] // k.shape[2]
+    if not ws:
+        fn(q, k, v, out, lse, softmax_scale, group)
         return
-    max_ctas, lpt_group = schedule(q, k, causal)
-    counters, slot = _tile_counters(q.device, max_ctas > 0 and causal)
-    fn(q, k, v, out, lse, softmax_scale, q.shape[2] // k.shape[2], max_ctas, lpt_group, counters, slot)
+    ctas, lpt_group = schedule(q, k, causal, mode)
+    if max_ctas is not None:
+        ctas = max_ctas
+    # Causal ws kernels always take tiles from the counters (one CTA per tile included).
+    counters, slot = _tile_counters(q.get_device(), causal)
+    fn(q, k, v, out, lse, softmax_scale, group, ctas, lpt_group, counters, slot)
 
 
 def schedule(q, k, causal: bool, mode: str | None = None) -> tuple[int, int]:
@@ -56,7 +68,7 @@ def schedule(q, k, causal: bool, mode: str | None = None) -> tuple[int, int]:
     persistent = mode in ("auto", "persistent")
     max_ctas = 0
     if persistent:
-        max_ctas = PERSISTENT_CTAS if PERSISTENT_CTAS is not None else _sm_count(q.device.index)
+        max_ctas = PERSISTENT_CTAS if PERSISTENT_CTAS is not None else _sm_count(q.get_device())
     lpt_group = 0
     if causal:
         kv_head_bytes = k.shape[1] * k.shape[3] * 2 * k.element_size()
@@ -73,17 +85,21 @@ _COUNTERS: dict = {}
 _next_slot = 0
 
 
-def _tile_counters(device, needed: bool):
-    """(counter buffer, slot) for a launch; a dummy slot 0 when the launch does not count."""
+def _tile_counters(index: int, needed: bool):
+    """(counter buffer of device `index`, slot) for a launch; slot 0 when the kernel reads none.
+
+    Slots 1..COUNTER_SLOTS-1 rotate among the launches that count; slot 0 is never handed out
+    to one, so it stays zero.
+    """
     global _next_slot
-    buf = _COUNTERS.get(device.index)
+    buf = _COUNTERS.get(index)
     if buf is None:
         import torch
 
-        buf = _COUNTERS[device.index] = torch.zeros(2 * COUNTER_SLOTS, dtype=torch.int32, device=device)
+        buf = _COUNTERS[index] = torch.zeros(2 * COUNTER_SLOTS, dtype=torch.int32, device=f"cuda:{index}")
     if not needed:
         return buf, 0
-    _next_slot = (_next_slot + 1) % COUNTER_SLOTS
+    _next_slot = _next_slot % (COUNTER_SLOTS - 1) + 1
     return buf, _next_slot
 
 

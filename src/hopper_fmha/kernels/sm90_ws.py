@@ -47,6 +47,8 @@ tile_n a multiple of 16 (the P·V K-blocks), at most 256 (WGMMA N); bottom-right
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -601,10 +603,13 @@ class WsFwdSm90:
             acc_O.fill(0.0)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
-            ctx = (
-                tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O, tOrP_acc, tOrP, row_max,
-                row_sum, o_scale, tScS_mn, pipeline_k, pipeline_v, scale_log2, m_block, seqlen_q, seqlen_k,
-                wg,
+            # What every block step of this tile reads (registers and views, nothing copied).
+            ctx = SimpleNamespace(
+                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV,
+                acc_shape_S=acc_shape_S, acc_O=acc_O, tOrP_acc=tOrP_acc, tOrP=tOrP, row_max=row_max,
+                row_sum=row_sum, o_scale=o_scale, tScS_mn=tScS_mn, pipeline_k=pipeline_k,
+                pipeline_v=pipeline_v, scale_log2=scale_log2, m_block=m_block, seqlen_q=seqlen_q,
+                seqlen_k=seqlen_k, wg=wg,
             )  # fmt: skip
             cute.arch.mbarrier_wait(mbar_Q, q_phase)
             q_phase = q_phase ^ 1
@@ -612,25 +617,23 @@ class WsFwdSm90:
                 n_first = n_max - 1
                 n_masked_end = cutlass.min(n_unmasked, n_first)  # blocks [n_masked_end, n_first) need a mask
                 if const_expr(self.intra_wg_overlap):
-                    k_state = self.first_block(n_first, k_state, *ctx)
+                    k_state = self.first_block(n_first, k_state, ctx)
                     for i in cutlass.range(n_first - n_masked_end, unroll=1):
-                        k_state, v_state = self.overlapped_block(
-                            n_first - 1 - i, True, k_state, v_state, *ctx
-                        )
+                        k_state, v_state = self.overlapped_block(n_first - 1 - i, True, k_state, v_state, ctx)
                     for i in cutlass.range(n_masked_end, unroll=1):
                         k_state, v_state = self.overlapped_block(
-                            n_masked_end - 1 - i, False, k_state, v_state, *ctx
+                            n_masked_end - 1 - i, False, k_state, v_state, ctx
                         )
-                    v_state = self.last_pv(v_state, *ctx)
+                    v_state = self.last_pv(v_state, ctx)
                 else:
-                    k_state, v_state = self.plain_block(n_first, True, True, k_state, v_state, *ctx)
+                    k_state, v_state = self.plain_block(n_first, True, True, k_state, v_state, ctx)
                     for i in cutlass.range(n_first - n_masked_end, unroll=1):
                         k_state, v_state = self.plain_block(
-                            n_first - 1 - i, True, False, k_state, v_state, *ctx
+                            n_first - 1 - i, True, False, k_state, v_state, ctx
                         )
                     for i in cutlass.range(n_masked_end, unroll=1):
                         k_state, v_state = self.plain_block(
-                            n_masked_end - 1 - i, False, False, k_state, v_state, *ctx
+                            n_masked_end - 1 - i, False, False, k_state, v_state, ctx
                         )
                     self.pingpong_pass(wg)
             if const_expr(self.separate_o):
@@ -666,41 +669,24 @@ class WsFwdSm90:
         self,
         n_block: Int32,
         k_state: pipeline.PipelineState,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrV: cute.Tensor,
-        acc_shape_S: cute.Shape,
-        acc_O: cute.Tensor,
-        tOrP_acc: cute.Tensor,
-        tOrP: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        o_scale: cute.Tensor,
-        tScS_mn: cute.Tensor,
-        pipeline_k: pipeline.PipelineAsync,
-        pipeline_v: pipeline.PipelineAsync,
-        scale_log2: Float32,
-        m_block: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        wg: Int32,
+        c: SimpleNamespace,
     ):
         """Overlapped loop, first half: S of the last block, its mask and softmax, P (no GEMM-II yet)."""
-        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-        pipeline_k.consumer_wait(k_state)
-        self.pingpong_wait(wg)
-        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1)
-        self.pingpong_pass(wg)
+        acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
+        c.pipeline_k.consumer_wait(k_state)
+        self.pingpong_wait(c.wg)
+        gemm(
+            c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1
+        )
+        self.pingpong_pass(c.wg)
         warpgroup.wait_group(0)
-        pipeline_k.consumer_release(k_state)
+        c.pipeline_k.consumer_release(k_state)
         k_state.advance()
-        self.apply_mask(acc_S, tScS_mn, m_block, n_block, seqlen_q, seqlen_k)
-        self.online_softmax(acc_S, row_max, row_sum, scale_log2, True)
-        convert(acc_S, tOrP_acc)
+        self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
+        self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, True)
+        convert(acc_S, c.tOrP_acc)
         if const_expr(self.rescale_o_early):
-            o_scale.fill(1.0)
+            c.o_scale.fill(1.0)
         return k_state
 
     @cute.jit
@@ -710,84 +696,62 @@ class WsFwdSm90:
         masked: cutlass.Constexpr[bool],
         k_state: pipeline.PipelineState,
         v_state: pipeline.PipelineState,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrV: cute.Tensor,
-        acc_shape_S: cute.Shape,
-        acc_O: cute.Tensor,
-        tOrP_acc: cute.Tensor,
-        tOrP: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        o_scale: cute.Tensor,
-        tScS_mn: cute.Tensor,
-        pipeline_k: pipeline.PipelineAsync,
-        pipeline_v: pipeline.PipelineAsync,
-        scale_log2: Float32,
-        m_block: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        wg: Int32,
+        c: SimpleNamespace,
     ):
         """S = Q K_n^T and O += P V_{n+1} in flight together; softmax of S while GEMM-II runs."""
-        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-        pipeline_k.consumer_wait(k_state)
-        self.pingpong_wait(wg)
-        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1)
+        acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
+        c.pipeline_k.consumer_wait(k_state)
+        self.pingpong_wait(c.wg)
+        gemm(
+            c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1
+        )
         if const_expr(self.rescale_o_early):
-            self.rescale_O(acc_O, o_scale)  # while GEMM-I runs
-        pipeline_v.consumer_wait(v_state)
-        gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False, wg_wait=-1)
-        self.pingpong_pass(wg)
+            self.rescale_O(c.acc_O, c.o_scale)  # while GEMM-I runs
+        c.pipeline_v.consumer_wait(v_state)
+        gemm(
+            c.tiled_mma_pv,
+            c.acc_O,
+            c.tOrP,
+            c.tOrV[None, None, None, v_state.index],
+            zero_init=False,
+            wg_wait=-1,
+        )
+        self.pingpong_pass(c.wg)
         warpgroup.wait_group(1)  # GEMM-I done, GEMM-II may still run
-        pipeline_k.consumer_release(k_state)
+        c.pipeline_k.consumer_release(k_state)
         k_state.advance()
         if const_expr(masked):
-            self.apply_mask(acc_S, tScS_mn, m_block, n_block, seqlen_q, seqlen_k)
-        row_scale = self.online_softmax(acc_S, row_max, row_sum, scale_log2, False)
+            self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
+        row_scale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, False)
         warpgroup.wait_group(0)  # GEMM-II done: P's registers and sV_{n+1} are free
-        pipeline_v.consumer_release(v_state)
+        c.pipeline_v.consumer_release(v_state)
         v_state.advance()
-        convert(acc_S, tOrP_acc)
+        convert(acc_S, c.tOrP_acc)
         if const_expr(self.rescale_o_early):
-            o_scale.store(row_scale.load())
+            c.o_scale.store(row_scale.load())
         else:
-            self.rescale_O(acc_O, row_scale)
+            self.rescale_O(c.acc_O, row_scale)
         return k_state, v_state
 
     @cute.jit
     def last_pv(
         self,
         v_state: pipeline.PipelineState,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrV: cute.Tensor,
-        acc_shape_S: cute.Shape,
-        acc_O: cute.Tensor,
-        tOrP_acc: cute.Tensor,
-        tOrP: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        o_scale: cute.Tensor,
-        tScS_mn: cute.Tensor,
-        pipeline_k: pipeline.PipelineAsync,
-        pipeline_v: pipeline.PipelineAsync,
-        scale_log2: Float32,
-        m_block: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        wg: Int32,
+        c: SimpleNamespace,
     ):
         """Overlapped loop, second half: O += P V_0."""
         if const_expr(self.rescale_o_early):
-            self.rescale_O(acc_O, o_scale)
-        pipeline_v.consumer_wait(v_state)
-        gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False, wg_wait=0)
-        pipeline_v.consumer_release(v_state)
+            self.rescale_O(c.acc_O, c.o_scale)
+        c.pipeline_v.consumer_wait(v_state)
+        gemm(
+            c.tiled_mma_pv,
+            c.acc_O,
+            c.tOrP,
+            c.tOrV[None, None, None, v_state.index],
+            zero_init=False,
+            wg_wait=0,
+        )
+        c.pipeline_v.consumer_release(v_state)
         v_state.advance()
         return v_state
 
@@ -799,51 +763,41 @@ class WsFwdSm90:
         is_first: cutlass.Constexpr[bool],
         k_state: pipeline.PipelineState,
         v_state: pipeline.PipelineState,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        tSrQ: cute.Tensor,
-        tSrK: cute.Tensor,
-        tOrV: cute.Tensor,
-        acc_shape_S: cute.Shape,
-        acc_O: cute.Tensor,
-        tOrP_acc: cute.Tensor,
-        tOrP: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        o_scale: cute.Tensor,
-        tScS_mn: cute.Tensor,
-        pipeline_k: pipeline.PipelineAsync,
-        pipeline_v: pipeline.PipelineAsync,
-        scale_log2: Float32,
-        m_block: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        wg: Int32,
+        c: SimpleNamespace,
     ):
         """No intra-warpgroup overlap: GEMM-I, softmax, GEMM-II, each waited.
 
         With pingpong the token is held from GEMM-II of one block through GEMM-I of the next, so
         the two GEMMs of a warpgroup issue back to back while the other warpgroup does softmax.
         """
-        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-        pipeline_k.consumer_wait(k_state)
+        acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
+        c.pipeline_k.consumer_wait(k_state)
         if const_expr(is_first):
-            self.pingpong_wait(wg)
-        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1)
-        self.pingpong_pass(wg)
+            self.pingpong_wait(c.wg)
+        gemm(
+            c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1
+        )
+        self.pingpong_pass(c.wg)
         warpgroup.wait_group(0)
-        pipeline_k.consumer_release(k_state)
+        c.pipeline_k.consumer_release(k_state)
         k_state.advance()
         if const_expr(masked):
-            self.apply_mask(acc_S, tScS_mn, m_block, n_block, seqlen_q, seqlen_k)
-        row_scale = self.online_softmax(acc_S, row_max, row_sum, scale_log2, is_first)
-        convert(acc_S, tOrP_acc)
+            self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
+        row_scale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, is_first)
+        convert(acc_S, c.tOrP_acc)
         if const_expr(not is_first):
-            self.rescale_O(acc_O, row_scale)
-        pipeline_v.consumer_wait(v_state)
-        self.pingpong_wait(wg)
-        gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False, wg_wait=0)
-        pipeline_v.consumer_release(v_state)
+            self.rescale_O(c.acc_O, row_scale)
+        c.pipeline_v.consumer_wait(v_state)
+        self.pingpong_wait(c.wg)
+        gemm(
+            c.tiled_mma_pv,
+            c.acc_O,
+            c.tOrP,
+            c.tOrV[None, None, None, v_state.index],
+            zero_init=False,
+            wg_wait=0,
+        )
+        c.pipeline_v.consumer_release(v_state)
         v_state.advance()
         return k_state, v_state
 
