@@ -94,6 +94,11 @@ def cmd_info(args) -> int:
         rows.append(("kernels", "can run here (sm_90)"))
     else:
         rows.append(("kernels", f"compile only here (CUTE_DSL_ARCH={arch}); running them needs a Hopper GPU"))
+    if kernels is not None and hasattr(kernels, "dsl_flavor"):
+        try:
+            rows.append(("DSL compiler", kernels.dsl_flavor()))
+        except Exception as e:
+            rows.append(("DSL compiler", f"unknown ({type(e).__name__}: {e})"))
     if kernels is not None and hasattr(kernels, "cache_dir"):
         try:
             rows.append(("kernel cache", str(kernels.cache_dir())))

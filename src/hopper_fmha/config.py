@@ -69,6 +69,7 @@ class KernelConfig:
     intra_wg_overlap: bool = True
     pingpong: bool = True
     rescale_o_early: bool = False
+    pin_pv_wait: int = 0
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -187,17 +188,22 @@ class WsChoice:
     intra_wg_overlap: bool
     pingpong: bool
     rescale_o_early: bool = False
+    # n > 0: GEMM-II's wait follows the first n exponentials of the softmax (see WsFwdSm90).
+    pin_pv_wait: int = 0
 
 
-# The ws variant's choice per head dim. Started from FlashAttention-3/4's (tuned on H100 SXM);
-# measured reason per entry: pending the first H200 run (NOTES.md, "ws tile table").
+# The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and
+# kept or changed by H200 measurements (NOTES.md, "ws tile table", "ws v2", "ws v3").
 WS_TILE_TABLE = {
-    # 3 consumer warpgroups: each K/V tile serves 192 query rows (FA3/FA4's d64 choice).
+    # 3 consumer warpgroups: each K/V tile serves 192 query rows (FA3/FA4's d64 choice); 128x128
+    # measured 386 vs 534 TFLOP/s. Pinning GEMM-II's wait: +2% (8 exponentials), -3% (16): off.
     64: WsChoice((192, 128), num_stages=2, intra_wg_overlap=True, pingpong=True),
-    # FA4's; FA3 takes 128x176 when not causal (fits too; the GPU check times it).
-    128: WsChoice((128, 128), num_stages=2, intra_wg_overlap=True, pingpong=True),
-    # The widest tile_n whose two K and two V stages fit shared memory. No pingpong above d128,
-    # as FA3/FA4.
+    # FA4's tile (FA3's 128x176 non-causal measured 607 vs 676). GEMM-II's wait after 16
+    # exponentials: 643 vs 609 and 644 vs 616 non-causal, causal unchanged (572 vs 575).
+    128: WsChoice((128, 128), num_stages=2, intra_wg_overlap=True, pingpong=True, pin_pv_wait=16),
+    # The widest tile_n whose two K and two V stages fit shared memory. No pingpong above d128, as
+    # FA3/FA4 (672 vs 703 with it); O rescaled while GEMM-I runs (+13%). Pinning the wait lost
+    # 8-14% here.
     256: WsChoice((128, 80), num_stages=2, intra_wg_overlap=True, pingpong=False, rescale_o_early=True),
 }
 
@@ -233,6 +239,7 @@ def select_config(
             intra_wg_overlap=choice.intra_wg_overlap,
             pingpong=choice.pingpong,
             rescale_o_early=choice.rescale_o_early,
+            pin_pv_wait=choice.pin_pv_wait,
         )
     if tile is None:
         tile = PAPER_TILE_TABLE[head_dim]

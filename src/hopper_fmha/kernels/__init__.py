@@ -22,7 +22,7 @@ import os
 # also right on a CPU-only machine, where it lets the kernels compile for inspection.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, get_kernel  # noqa: E402, F401
+from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, dsl_flavor, get_kernel  # noqa: E402, F401
 from .inspect import compile_report  # noqa: E402, F401
 
 # How the ws variant walks its tiles: "auto"/"persistent" (one CTA per SM, looping over tiles)

@@ -30,13 +30,14 @@ class KernelKey(NamedTuple):
     intra_wg_overlap: bool = True
     pingpong: bool = True
     rescale_o_early: bool = False
+    pin_pv_wait: int = 0
 
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
         """The key of `cfg` (a `hopper_fmha.config.KernelConfig`) for a dtype name and mask."""
         return cls(
             dtype, cfg.head_dim, cfg.tile_m, cfg.tile_n, causal, cfg.variant,
-            cfg.num_stages, cfg.intra_wg_overlap, cfg.pingpong, cfg.rescale_o_early,
+            cfg.num_stages, cfg.intra_wg_overlap, cfg.pingpong, cfg.rescale_o_early, cfg.pin_pv_wait,
         )  # fmt: skip
 
     def slug(self) -> str:
@@ -46,6 +47,7 @@ class KernelKey(NamedTuple):
             overlap = "ov" if self.intra_wg_overlap else "noov"
             pingpong = "pp" if self.pingpong else "nopp"
             slug += f"_s{self.num_stages}_{overlap}_{pingpong}" + ("_early" if self.rescale_o_early else "")
+            slug += f"_pin{self.pin_pv_wait}" if self.pin_pv_wait else ""
         return slug
 
 
@@ -53,6 +55,22 @@ _memory: dict[KernelKey, Any] = {}
 _lock = threading.Lock()
 # Seconds spent on the last compile or disk load of each key (for `info` and `bench --profile`).
 timings: dict[KernelKey, tuple[str, float]] = {}
+
+
+def dsl_flavor() -> str:
+    """The CUDA toolkit flavor of the loaded CuTe DSL ("cu12"/"cu13"): its compiler makes the SASS.
+
+    With both installed the DSL takes the newest the driver supports (the newest without one).
+    The two ptxas versions schedule the same kernel differently (NOTES.md, "ws v3"); our H200
+    measurements use cu13.
+    """
+    import re
+
+    from cutlass._mlir import _mlir_libs
+
+    module = getattr(_mlir_libs, "_cutlass_ir", None)
+    found = re.search(r"\.(cu\d+)\.", getattr(module, "__file__", "") or "")
+    return found.group(1) if found else "unknown"
 
 
 def _fingerprint() -> str:
@@ -65,6 +83,7 @@ def _fingerprint() -> str:
         h.update(path.read_bytes())
     h.update(str(getattr(cutlass, "__version__", "")).encode())
     h.update(str(getattr(tvm_ffi, "__version__", "")).encode())
+    h.update(dsl_flavor().encode())
     return h.hexdigest()[:16]
 
 
@@ -96,6 +115,7 @@ def _kernel_object(key: KernelKey):
             intra_wg_overlap=key.intra_wg_overlap,
             pingpong=key.pingpong,
             rescale_o_early=key.rescale_o_early,
+            pin_pv_wait=key.pin_pv_wait,
         )
         return kernel, dtype
     raise ValueError(f"unknown kernel variant {key.variant!r}")

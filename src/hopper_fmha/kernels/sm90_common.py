@@ -70,6 +70,12 @@ def gemm(
 
 
 @dsl_user_op
+def as_int32(x: Float32, *, loc=None, ip=None) -> Int32:
+    """The bits of an fp32 value as an int32 (no conversion)."""
+    return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
 def pack_f32x2(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
     """Two fp32 values -> one register of fp16x2/bf16x2 (round to nearest even), `lo` in bits 0-15."""
     kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"

@@ -57,7 +57,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .sm90_common import LN_2, LOG2_E, acc_mn_layout, acc_to_operand_a_layout, convert, gemm
+from .sm90_common import LN_2, LOG2_E, acc_mn_layout, acc_to_operand_a_layout, as_int32, convert, gemm
 
 WARPGROUP = 128
 # Named barrier ids (0 is __syncthreads).
@@ -85,6 +85,7 @@ class WsFwdSm90:
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
         rescale_o_early: bool = False,
+        pin_pv_wait: int = 0,
     ):
         assert head_dim in (64, 128, 256)
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
@@ -101,6 +102,11 @@ class WsFwdSm90:
         # instead of after GEMM-II completes, where it delays the next GEMMs (overlapped loop
         # only). FlashAttention-4 does so above d = 128, where O is the largest.
         self.rescale_o_early = rescale_o_early and intra_wg_overlap
+        # n > 0: in the overlapped loop, wait for GEMM-II after the softmax's first n
+        # exponentials. Left to itself, ptxas (CUDA 13) hoists that wait above all of them, to
+        # just after the row maxima, so no exponential runs beside GEMM-II; a branch on the n-th
+        # result (both arms wait) keeps the first n ahead of it.
+        self.pin_pv_wait = pin_pv_wait if intra_wg_overlap else 0
         # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
         # differ in work (causal), else in a fixed serpentine order (`next_tile`).
         self.dynamic_schedule = causal
@@ -442,8 +448,6 @@ class WsFwdSm90:
             tVsV, tVgV = cpasync.tma_partition(
                 tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
             )
-            # Ask for the next tile now; the answer is needed only after this tile's loads.
-            next_tile = self.fetch_tile(tile, cta, num_ctas, counters)
             if n_max > 0:
                 k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_max - 1)
             # Q is loaded for every tile (also one whose rows see no key) so that both sides
@@ -467,7 +471,11 @@ class WsFwdSm90:
                         n_block = n_max - 2 - i
                         k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
                         v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block)
-            tile = next_tile
+            # Claim the next tile only now, with this tile's last loads issued: the consumers
+            # still have about num_stages blocks to go, which hides the atomic. Claimed when
+            # this tile started, a CTA would hold a tile it cannot start while others run dry:
+            # d256 causal measured 611 vs 673 TFLOP/s (a simulation of the order predicted 7%).
+            tile = self.fetch_tile(tile, cta, num_ctas, counters)
         self.announce(s_tile, tile, announced)  # past the last tile: the consumers stop
         if const_expr(self.dynamic_schedule):
             # The last CTA to get here zeroes the counters for the next launch: every CTA has
@@ -598,6 +606,12 @@ class WsFwdSm90:
             cute.arch.barrier_arrive(
                 barrier_id=BARRIER_TILE_EMPTY, number_of_threads=32 + self.num_mma_threads
             )
+            if const_expr(not self.pingpong):
+                # Not needed for correctness (the arrive above orders the read before the
+                # producer's next write), but compute-sanitizer's racecheck only credits the
+                # arrive once the arriving threads pass a blocking barrier, which pingpong
+                # kernels do right away; without one it reports the next write as a WAR hazard.
+                cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
             m_block, head, batch = self.tile_coords(tile, sched)
             n_max, n_unmasked = self.block_range(m_block, seqlen_q, seqlen_k)
             acc_O.fill(0.0)
@@ -722,8 +736,9 @@ class WsFwdSm90:
         k_state.advance()
         if const_expr(masked):
             self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
-        row_scale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, False)
-        warpgroup.wait_group(0)  # GEMM-II done: P's registers and sV_{n+1} are free
+        row_scale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, False, self.pin_pv_wait)
+        if const_expr(self.pin_pv_wait == 0):
+            warpgroup.wait_group(0)  # GEMM-II done: P's registers and sV_{n+1} are free
         c.pipeline_v.consumer_release(v_state)
         v_state.advance()
         convert(acc_S, c.tOrP_acc)
@@ -831,18 +846,24 @@ class WsFwdSm90:
         row_sum: cute.Tensor,
         scale_log2: Float32,
         is_first: cutlass.Constexpr[bool],
+        wait_pv_after: cutlass.Constexpr[int] = 0,
     ) -> cute.Tensor:
         """S -> exp2(S*scale - max*scale) in place; updates the row stats; returns O's row rescale.
 
-        row_sum stays a per-thread partial sum (the quad reduction happens once, in the epilogue).
+        Row maxima first, then S*scale - max for every element, then the exponentials, then the
+        sums. row_sum stays a per-thread partial sum (the quad reduction happens once, in the
+        epilogue). wait_pv_after > 0: wait for GEMM-II after that many exponentials
+        (`pinned_pv_wait`).
         """
         acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
-        num_cols = cute.size(acc_S_mn, mode=[1])
+        rows = cute.size(row_max)
+        cols = cute.size(acc_S_mn, mode=[1])
         row_scale = cute.make_rmem_tensor(row_max.layout, Float32)
-        for r in cutlass.range_constexpr(cute.size(row_max)):
+        max_scaled = cute.make_rmem_tensor(row_max.layout, Float32)
+        for r in cutlass.range_constexpr(rows):
             # Four independent max chains for ILP, then the quad (4 lanes own a row) reduction.
             part = [acc_S_mn[r, 0], acc_S_mn[r, 1], acc_S_mn[r, 2], acc_S_mn[r, 3]]
-            for c in cutlass.range_constexpr(4, num_cols):
+            for c in cutlass.range_constexpr(4, cols):
                 part[c % 4] = cute.arch.fmax(part[c % 4], acc_S_mn[r, c])
             m_new = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
             if const_expr(not is_first):
@@ -853,21 +874,43 @@ class WsFwdSm90:
             m_scaled = m_new * scale_log2
             if m_new == -Float32.inf:
                 m_scaled = Float32(0.0)
-            sums = [Float32(0.0)] * 4
-            for c in cutlass.range_constexpr(num_cols):
-                p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - m_scaled, fastmath=True)
-                acc_S_mn[r, c] = p
-                sums[c % 4] = sums[c % 4] + p
-            block_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
+            max_scaled[r] = m_scaled
             if const_expr(is_first):
                 row_scale[r] = Float32(1.0)
+            else:
+                row_scale[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
+            row_max[r] = m_new
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cols):
+                acc_S_mn[r, c] = acc_S_mn[r, c] * scale_log2 - max_scaled[r]
+        for i in cutlass.range_constexpr(rows * cols):
+            acc_S_mn[i // cols, i % cols] = cute.math.exp2(acc_S_mn[i // cols, i % cols], fastmath=True)
+            if const_expr(i + 1 == min(wait_pv_after, rows * cols)):
+                self.pinned_pv_wait(acc_S_mn[i // cols, i % cols])
+        for r in cutlass.range_constexpr(rows):
+            sums = [Float32(0.0)] * 4
+            for c in cutlass.range_constexpr(cols):
+                sums[c % 4] = sums[c % 4] + acc_S_mn[r, c]
+            block_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
+            if const_expr(is_first):
                 row_sum[r] = block_sum
             else:
-                rescale = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
-                row_scale[r] = rescale
-                row_sum[r] = row_sum[r] * rescale + block_sum
-            row_max[r] = m_new
+                row_sum[r] = row_sum[r] * row_scale[r] + block_sum
         return row_scale
+
+    @cute.jit
+    def pinned_pv_wait(self, p: Float32):
+        """wait_group(0) that ptxas keeps after `p` is computed: both arms of a branch on p wait.
+
+        The branch is warp-uniform (lane 0's value), so it costs a shuffle, a compare and a
+        branch; 0x7FC00001 is a NaN bit pattern exp2 does not produce, but either way the wait
+        happens.
+        """
+        key = cute.arch.make_warp_uniform(as_int32(p))
+        if key != Int32(0x7FC00001):
+            warpgroup.wait_group(0)
+        else:
+            warpgroup.wait_group(0)
 
     @cute.jit
     def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
