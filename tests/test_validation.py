@@ -151,10 +151,10 @@ def test_variant_rejected_by_config():
 
 
 def test_auto_variant_follows_the_measured_limits():
-    # The paper kernel for short key sequences where it measured faster (d = 64 up to 1024
-    # keys; d = 128 causal up to 512), the ws kernel everywhere else.
+    # The paper kernel for short key sequences where it measured faster (d = 64 non-causal up
+    # to 1024 keys; d = 128 causal up to 512), the ws kernel everywhere else.
     assert auto_variant(64, False, 1024) == "paper" and auto_variant(64, False, 1025) == "ws"
-    assert auto_variant(64, True, 1024) == "paper" and auto_variant(64, True, 2048) == "ws"
+    assert auto_variant(64, True, 512) == "ws" and auto_variant(64, True, 2048) == "ws"
     assert auto_variant(128, True, 512) == "paper" and auto_variant(128, True, 513) == "ws"
     assert auto_variant(128, False, 512) == "ws"
     assert auto_variant(256, False, 512) == "ws" and auto_variant(256, True, 512) == "ws"

@@ -22,10 +22,12 @@ VARIANTS = ("paper", "ws")
 DEFAULT_VARIANT = "ws"  # with an explicit tile; without one, `auto_variant` picks per problem
 # Key lengths up to which the paper kernel (64-row tiles, several CTAs per SM) beats the ws
 # kernel (128/192-row tiles, one persistent CTA per SM): measured on the sweep preset, fp16 and
-# bf16, H200 (NOTES.md, "variant by problem"): at d = 64 up to 1024 keys, causal or not
-# (+6-25%); at d = 128 causal up to 512 (a tie); never at d = 256 or d = 128 non-causal.
+# bf16, H200 (NOTES.md, "variant by problem", "ws v3"): at d = 64 non-causal up to 1024 keys
+# (fp16 +11-21%, bf16 -3-5%); at d = 128 causal up to 512 (a tie); never at d = 256, d = 128
+# non-causal, or d = 64 causal (ws +1-10% at 512 and 1024 keys since its causal tiles are
+# claimed late).
 PAPER_MAX_SEQLEN_K = {64: 1024, 128: 0, 256: 0}
-PAPER_MAX_SEQLEN_K_CAUSAL = {64: 1024, 128: 512, 256: 0}
+PAPER_MAX_SEQLEN_K_CAUSAL = {64: 0, 128: 512, 256: 0}
 
 # Hopper (sm_90): per-thread register ceiling and opt-in shared memory per CTA.
 MAX_REGS_PER_THREAD = 255

@@ -608,9 +608,10 @@ class WsFwdSm90:
             )
             if const_expr(not self.pingpong):
                 # Not needed for correctness (the arrive above orders the read before the
-                # producer's next write), but compute-sanitizer's racecheck only credits the
-                # arrive once the arriving threads pass a blocking barrier, which pingpong
-                # kernels do right away; without one it reports the next write as a WAR hazard.
+                # producer's next write), but without it compute-sanitizer's racecheck reports
+                # that write as a WAR hazard; kernels with pingpong, whose consumers pass a
+                # consumer-only bar.sync right after the arrive, are reported clean. One sync of
+                # the consumers per tile.
                 cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
             m_block, head, batch = self.tile_coords(tile, sched)
             n_max, n_unmasked = self.block_range(m_block, seqlen_q, seqlen_k)
