@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hopper_fmha import flash_attn_func, interface
-from hopper_fmha.config import auto_variant, select_config
+from hopper_fmha.config import auto_variant, auto_ws_tile, select_config
 from hopper_fmha.reference import reference
 
 pytestmark = pytest.mark.cpu
@@ -150,6 +150,21 @@ def test_variant_rejected_by_config():
         flash_attn_func(q, k, v, variant="fa3")
 
 
+def test_auto_ws_tile_for_short_causal_d64():
+    # 128x128 for d = 64 causal up to 1024 keys (measured faster there), the table's tile else.
+    assert auto_ws_tile(64, True, 512) == (128, 128) and auto_ws_tile(64, True, 1024) == (128, 128)
+    assert auto_ws_tile(64, True, 1025) is None and auto_ws_tile(64, False, 512) is None
+    assert auto_ws_tile(128, True, 512) is None and auto_ws_tile(256, True, 512) is None
+    # What flash_attn_func resolves: no variant, no tile -> ws at 128x128; a tile or the paper
+    # variant asked for is kept.
+    q = torch.zeros(1, 512, 2, 64, dtype=torch.float16)
+    assert interface._validate(q, q, q, None, True, None, None)[1].tile == (128, 128)
+    assert interface._validate(q, q, q, None, True, "ws", (192, 128))[1].tile == (192, 128)
+    assert interface._validate(q, q, q, None, True, "paper", None)[1].variant == "paper"
+    long_q = torch.zeros(1, 2048, 2, 64, dtype=torch.float16)
+    assert interface._validate(long_q, long_q, long_q, None, True, None, None)[1].tile == (192, 128)
+
+
 def test_auto_variant_follows_the_measured_limits():
     # The paper kernel for short key sequences where it measured faster (d = 64 non-causal up
     # to 1024 keys; d = 128 causal up to 512), the ws kernel everywhere else.
@@ -200,8 +215,10 @@ def test_outputs_and_launch_arguments(cpu_kernel, causal):
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
     (launch,) = cpu_kernel
     assert launch["softmax_scale"] == 64**-0.5 and launch["causal"] is causal
-    # No variant asked for: the one auto_variant picks for this (short) problem, at its table tile.
-    assert launch["cfg"] == select_config(64, auto_variant(64, causal, k.shape[1]))
+    # No variant asked for: the one auto_variant picks for this (short) problem, at its tile.
+    variant = auto_variant(64, causal, k.shape[1])
+    tile = auto_ws_tile(64, causal, k.shape[1]) if variant == "ws" else None
+    assert launch["cfg"] == select_config(64, variant, tile)
     assert launch["q"] is q  # conforming inputs are passed through, not copied
     assert torch.equal(flash_attn_func(q, k, v, causal=causal), out)
 

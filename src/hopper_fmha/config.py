@@ -210,6 +210,22 @@ WS_TILE_TABLE = {
 }
 
 
+# ws tiles that beat the table's on short causal problems: head dim -> (max seqlen_k, tile).
+# d = 64 causal, N = 512 / 1024 (H200, `bench/results/2026-11-21-h200-v3/custom-…T0824.md`):
+# 128x128 224.6 / 296.8 TFLOP/s fp16 vs 199.1 / 267.8 for 192x128 (bf16 227.8 / 300.6 vs
+# 203.7 / 273.4): two query tiles per 256 rows instead of one and a half keep more SMs busy.
+WS_SHORT_CAUSAL_TILE = {64: (1024, (128, 128))}
+
+
+def auto_ws_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
+    """The ws tile for a problem when no tile is asked for: None means the table's."""
+    if causal and head_dim in WS_SHORT_CAUSAL_TILE:
+        max_seqlen_k, tile = WS_SHORT_CAUSAL_TILE[head_dim]
+        if seqlen_k <= max_seqlen_k:
+            return tile
+    return None
+
+
 def auto_variant(head_dim: int, causal: bool, seqlen_k: int) -> str:
     """The variant used when none is asked for: the faster one measured for this problem."""
     limits = PAPER_MAX_SEQLEN_K_CAUSAL if causal else PAPER_MAX_SEQLEN_K

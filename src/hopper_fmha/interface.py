@@ -124,6 +124,8 @@ def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, con
         if not isinstance(tile, (tuple, list)):
             raise ValueError(f"tile must be a pair of ints (tile_m, tile_n), got {tile!r}")
         tile = tuple(tile)
+    elif variant == "ws":
+        tile = config.auto_ws_tile(head_dim, causal, k.shape[1])
     # Under torch.compile, call the uncached function: dynamo traces through lru_cache anyway
     # and warns about it on every compile.
     select = config.select_config.__wrapped__ if torch.compiler.is_compiling() else config.select_config
