@@ -53,8 +53,7 @@ OUT_FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 def ws_key(dtype: str, head_dim: int, causal: bool, tile=None, **switches) -> KernelKey:
     cfg = dataclasses.replace(config.select_config(head_dim, "ws", tile), **switches)
-    switches = (cfg.num_stages, cfg.intra_wg_overlap, cfg.pingpong, cfg.rescale_o_early, cfg.pin_pv_wait)
-    return KernelKey(dtype, head_dim, cfg.tile_m, cfg.tile_n, causal, "ws", *switches)
+    return KernelKey.from_config(dtype, causal, cfg)
 
 
 def paper_key(dtype: str, head_dim: int, causal: bool) -> KernelKey:

@@ -23,8 +23,7 @@ pytestmark = pytest.mark.compile
 
 
 def key_for(cfg, dtype: str, causal: bool) -> KernelKey:
-    switches = (cfg.num_stages, cfg.intra_wg_overlap, cfg.pingpong, cfg.rescale_o_early, cfg.pin_pv_wait)
-    return KernelKey(dtype, cfg.head_dim, cfg.tile_m, cfg.tile_n, causal, cfg.variant, *switches)
+    return KernelKey.from_config(dtype, causal, cfg)
 
 
 # dtype and causal change the generated code; the head dim changes tile, budget and switches.

@@ -49,7 +49,8 @@ def flash_attn_func(
         return_lse: also return the log-sum-exp of the scaled scores.
         variant: kernel variant (see `hopper_fmha.config.VARIANTS`); None picks per problem
             (`hopper_fmha.config.auto_variant`; "ws" when a tile is given).
-        tile: optional (tile_m, tile_n) override of the tile table, for tests and benchmarks.
+        tile: optional (tile_m, tile_n) override, for tests and benchmarks; None takes the tile
+            table's, or for the ws variant `hopper_fmha.config.auto_ws_tile`'s for the problem.
 
     Returns:
         out: same shape and dtype as q, contiguous. With return_lse, (out, lse) where lse is
