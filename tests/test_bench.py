@@ -449,6 +449,7 @@ def test_register_wires_the_bench_subcommand():
     assert name == "sweep" and len(problems) == 72 and names == ["fa2", "cudnn"]
     assert bench_cli.timing_settings(args) == timing.TimingSettings.quick()
     assert timing.TimingSettings.quick().rounds == 1 and timing.TimingSettings().rounds == 3
+    assert timing.TimingSettings.quick().settle_rounds == 0 and timing.TimingSettings().settle_rounds == 1
     assert timing.TimingSettings().per_round == 10  # 30 samples over 3 rounds
     settings = bench_cli.timing_settings(_parser().parse_args(["bench", "--rounds", "4", "--iters", "10"]))
     assert (settings.rounds, settings.per_round) == (4, 3)
@@ -645,9 +646,9 @@ def test_problem_is_timed_in_interleaved_rounds(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     real_block = runner._block
 
-    def block(entry, mode, count, timer):
-        log.append((entry.backend.name, mode))
-        real_block(entry, mode, count, timer)
+    def block(entry, mode, count, timer, keep=True):
+        log.append((entry.backend.name, mode, keep))
+        real_block(entry, mode, count, timer, keep)
 
     monkeypatch.setattr(runner, "_block", block)
     backends = [
@@ -656,14 +657,19 @@ def test_problem_is_timed_in_interleaved_rounds(fake_cuda, monkeypatch):
         _fake("b", runner.lowp_attention, ours=True),
     ]
     sets = runner.make_inputs(SMALL, 2, "cpu", seed=0)
-    settings = timing.TimingSettings(warmup=1, iters=5, min_sample_ms=0.01, max_calls_per_sample=2, rounds=2)
+    settings = timing.TimingSettings(
+        warmup=1, iters=5, min_sample_ms=0.01, max_calls_per_sample=2, rounds=2, settle_rounds=1
+    )
     recs = runner.run_problem(
         SMALL, backends, sets, _checker(SMALL, sets), timing.CudaTimer(), settings, graph=True,
         heat=lambda: log.append("heat"),
     )  # fmt: skip
-    # Pre-heat once, then round 0 from backend a with eager first, round 1 from b with graph first.
-    assert log == ["heat", ("a", "eager"), ("a", "graph"), ("b", "eager"), ("b", "graph"),
-                   ("b", "graph"), ("b", "eager"), ("a", "graph"), ("a", "eager")]  # fmt: skip
+    # Pre-heat once, an untimed round from backend a with eager first, then timed round 1 from b
+    # with graph first and round 2 from a with eager first.
+    assert log == ["heat", ("a", "eager", False), ("a", "graph", False), ("b", "eager", False),
+                   ("b", "graph", False), ("b", "graph", True), ("b", "eager", True),
+                   ("a", "graph", True), ("a", "eager", True), ("a", "eager", True),
+                   ("a", "graph", True), ("b", "eager", True), ("b", "graph", True)]  # fmt: skip
     assert [r["backend"] for r in recs] == ["a", "skip", "b"]
     assert [r["status"] for r in recs] == ["ok", "skipped", "ok"]
     for rec in (recs[0], recs[2]):
@@ -730,3 +736,11 @@ def test_lost_cuda_context_stops_the_run_and_keeps_records(tmp_path, monkeypatch
     assert results["records"][0]["reason"].startswith("not timed: the CUDA context was lost")
     assert "(CUDA context lost)" in results["records"][1]["reason"]
     assert "incomplete run" in json_path.with_suffix(".md").read_text()
+
+
+def test_method_line_names_the_untimed_rounds():
+    from hopper_fmha.bench.report import settle_text
+
+    assert settle_text(0) == ""
+    assert settle_text(1) == " and 1 untimed round of every backend"
+    assert settle_text(2).endswith("2 untimed rounds of every backend")

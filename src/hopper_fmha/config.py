@@ -34,12 +34,15 @@ MAX_REGS_PER_THREAD = 255
 SMEM_CAPACITY_BYTES = 232448  # cutlass.memory.get_smem_capacity_in_bytes("sm_90")
 
 
-# Registers a thread needs besides the accumulators and P (addresses, loop state, softmax row
-# statistics, the GEMM-I K-loop): 24 + head_dim/32. Calibrated against ptxas (nvidia-cutlass-dsl
-# 4.8.1) on all 12 paper tiles: the model accepts exactly the tiles that compile without spills
-# (NOTES.md, "register budget"); a compile-tier test keeps the two in agreement.
+# Registers a thread needs besides the fp32 S and O accumulators (addresses, loop state, softmax
+# row statistics, the GEMM-I K-loop, P's 16-bit words: `convert` writes them two values per
+# instruction while S's registers die, so P adds little): 48 + head_dim/32. Calibrated against
+# ptxas (nvidia-cutlass-dsl 4.8.1, CUDA 13) on all 12 paper tiles: the model accepts exactly the
+# tiles that compile without spills (NOTES.md, "register budget"); a compile-tier test keeps the
+# two in agreement. d = 64 at 128x128 takes 254 registers, d = 256 at 64x128 252, no spills; the
+# smallest that spills is d = 128 at 128x128 (S + O = 256).
 def reg_overhead(head_dim: int) -> int:
-    return 24 + head_dim // 32
+    return 48 + head_dim // 32
 
 
 PAPER_TILES = ((64, 64), (64, 128), (128, 64), (128, 128))
@@ -79,11 +82,10 @@ class KernelConfig:
 
 
 def register_estimate(head_dim: int, tile_m: int, tile_n: int, num_threads: int = 128) -> int:
-    """32-bit registers per thread: fp32 S and O accumulators, 16-bit P, fixed overhead."""
+    """32-bit registers per thread: fp32 S and O accumulators plus the overhead (P included)."""
     acc_s = tile_m * tile_n // num_threads
     acc_o = tile_m * head_dim // num_threads
-    frag_p = tile_m * tile_n // (2 * num_threads)
-    return acc_s + acc_o + frag_p + reg_overhead(head_dim)
+    return acc_s + acc_o + reg_overhead(head_dim)
 
 
 def smem_bytes(head_dim: int, tile_m: int, tile_n: int, elem_bytes: int = 2) -> int:
@@ -102,8 +104,8 @@ def check_fits(head_dim: int, tile_m: int, tile_n: int) -> None:
     if regs > MAX_REGS_PER_THREAD:
         raise ValueError(
             f"tile {tile_m}x{tile_n} at head_dim={head_dim} needs about {regs} registers per thread "
-            f"(S {tile_m * tile_n // 128} + O {tile_m * head_dim // 128} + P {tile_m * tile_n // 256} "
-            f"+ {reg_overhead(head_dim)} overhead) but a thread has at most {MAX_REGS_PER_THREAD}: "
+            f"(S {tile_m * tile_n // 128} + O {tile_m * head_dim // 128} "
+            f"+ {reg_overhead(head_dim)} overhead, P included) but a thread has at most {MAX_REGS_PER_THREAD}: "
             f"it would spill. Use a smaller tile_m or tile_n."
         )
     smem = smem_bytes(head_dim, tile_m, tile_n)
@@ -200,9 +202,12 @@ WS_TILE_TABLE = {
     # 3 consumer warpgroups: each K/V tile serves 192 query rows (FA3/FA4's d64 choice); 128x128
     # measured 386 vs 534 TFLOP/s. Pinning GEMM-II's wait: +2% (8 exponentials), -3% (16): off.
     64: WsChoice((192, 128), num_stages=2, intra_wg_overlap=True, pingpong=True),
-    # FA4's tile (FA3's 128x176 non-causal measured 607 vs 676). GEMM-II's wait after 16
-    # exponentials: 643 vs 609 and 644 vs 616 non-causal, causal unchanged (572 vs 575).
-    128: WsChoice((128, 128), num_stages=2, intra_wg_overlap=True, pingpong=True, pin_pv_wait=16),
+    # FA4's tile (FA3's 128x176 non-causal measured 607 vs 676). GEMM-II's wait pinned after 24
+    # exponentials: sustained at the 700 W cap (1 s of graph replays, B4 N4096 H16 non-causal),
+    # 0.915 ms fp16 / 0.880 ms bf16 against 0.956 / 0.920 after 16 and 0.962 / 0.920 unpinned
+    # (FA4 0.920 / 0.881). After 16, ptxas's schedule costs no cycles but 2.5x the L2 reads
+    # (no request merging across CTAs), and the card clocks down (NOTES "ws v4").
+    128: WsChoice((128, 128), num_stages=2, intra_wg_overlap=True, pingpong=True, pin_pv_wait=24),
     # The widest tile_n whose two K and two V stages fit shared memory. No pingpong above d128, as
     # FA3/FA4 (672 vs 703 with it); O rescaled while GEMM-I runs (+13%). Pinning the wait lost
     # 8-14% here.

@@ -32,6 +32,13 @@ SUBSETS = (
 )
 
 
+def settle_text(settle: int) -> str:
+    """The method line's words for the untimed rounds after the pre-heat."""
+    if not settle:
+        return ""
+    return f" and {settle} untimed round{'s' if settle > 1 else ''} of every backend"
+
+
 def new_results(preset: str, env: dict, settings: dict, command: str, tag: str | None = None) -> dict:
     return {
         "schema": SCHEMA,
@@ -355,7 +362,8 @@ def _env_lines(results: dict) -> list[str]:
         per_round = math.ceil(s.get("iters", 0) / rounds)
         timing = (
             f"Per problem every backend is checked, warmed up ({s.get('warmup')} calls) and captured; "
-            f"then, after {s.get('preheat_ms', 0) / 1e3:.2f} s of sustained matmul load, all are timed "
+            f"then, after {s.get('preheat_ms', 0) / 1e3:.2f} s of sustained matmul load"
+            f"{settle_text(s.get('settle_rounds', 0))}, all are timed "
             f"in {rounds} interleaved round(s), round-robin (first backend rotating, eager/graph order "
             f"alternating), {per_round} samples per mode and round: median of all "
             f"{per_round * rounds} samples, CUDA events."

@@ -353,16 +353,19 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
             rec["profile"]["launch_us"] = launch_us(fns, timer)
 
 
-def _block(entry: _Entry, mode: str, count: int, timer) -> None:
-    """One block of samples for one backend in one mode; a failure drops that mode (eager:
-    the whole backend) and is recorded. Raises CudaContextLost."""
+def _block(entry: _Entry, mode: str, count: int, timer, keep: bool = True) -> None:
+    """One block of samples for one backend in one mode (thrown away unless `keep`: a settling
+    round); a failure drops that mode (eager: the whole backend) and is recorded. Raises
+    CudaContextLost."""
     sampler = entry.samplers.get(mode)
     if sampler is None:
         return
     rec = entry.rec
     try:
         with entry.backend.context():
-            entry.rounds[mode].append(sampler.samples(count))
+            samples = sampler.samples(count)
+            if keep:
+                entry.rounds[mode].append(samples)
     except Exception as e:
         reason = ("eager timing raised " if mode == "eager" else "capture or replay raised ") + _short(e)
         if mode == "eager":
@@ -428,9 +431,10 @@ def run_problem(
                 except Exception as e:  # timing without the pre-heat beats no timing
                     if not _alive(timer):
                         raise CudaContextLost("pre-heat raised " + _short(e), {"backend": "pre-heat"}) from e
-            for blocks in round_schedule(len(timed), max(settings.rounds, 1)):
+            settle = max(settings.settle_rounds, 0)
+            for r, blocks in enumerate(round_schedule(len(timed), settle + max(settings.rounds, 1))):
                 for i, mode in blocks:
-                    _block(timed[i], mode, settings.per_round, timer)
+                    _block(timed[i], mode, settings.per_round, timer, keep=r >= settle)
     except CudaContextLost as e:
         for entry in entries:
             if entry.rec is not e.record and entry.samplers and not any(entry.rounds.values()):

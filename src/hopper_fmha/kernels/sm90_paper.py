@@ -33,7 +33,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .sm90_common import LN_2, LOG2_E, acc_mn_layout, acc_to_operand_a_layout, gemm
+from .sm90_common import LN_2, LOG2_E, acc_mn_layout, acc_to_operand_a_layout, convert, gemm
 
 NUM_THREADS = 128
 # Named barrier 0 is __syncthreads; the main loop uses its own id.
@@ -352,8 +352,9 @@ class PaperFwdSm90:
                 acc_O_mn[r, c] = acc_O_mn[r, c] * rescale
 
         # P in registers, re-viewed from the accumulator layout into the A-operand layout.
+        # Two values per cvt: `.to(bf16)` converts one at a time (`convert`'s docstring).
         tOrP_acc = cute.make_rmem_tensor(acc_S.layout, self.dtype)
-        tOrP_acc.store(acc_S.load().to(self.dtype))
+        convert(acc_S, tOrP_acc)
         tOrP = cute.make_tensor(tOrP_acc.iterator, acc_to_operand_a_layout(acc_S.layout))
 
         # GEMM-II: O += P V (RS-WGMMA).
@@ -432,7 +433,7 @@ class PaperFwdSm90:
 
         # O: registers -> smem (stmatrix, into Q's buffer, free since the last GEMM-I) -> TMA store.
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
+        convert(acc_O, rO)
         smem_copy_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(
                 cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
