@@ -155,21 +155,23 @@ def test_auto_ws_tile_for_short_causal_d64():
     assert auto_ws_tile(64, True, 512) == (128, 128) and auto_ws_tile(64, True, 1024) == (128, 128)
     assert auto_ws_tile(64, True, 1025) is None and auto_ws_tile(64, False, 512) is None
     assert auto_ws_tile(128, True, 512) is None and auto_ws_tile(256, True, 512) is None
-    # What flash_attn_func resolves: no variant, no tile -> ws at 128x128; a tile or the paper
-    # variant asked for is kept.
+    # What flash_attn_func resolves: no variant, no tile -> the paper kernel there (its 128x128
+    # tile); ws asked for without a tile -> ws at 128x128; a tile asked for is kept.
     q = torch.zeros(1, 512, 2, 64, dtype=torch.float16)
-    assert interface._validate(q, q, q, None, True, None, None)[1].tile == (128, 128)
+    cfg = interface._validate(q, q, q, None, True, None, None)[1]
+    assert (cfg.variant, cfg.tile) == ("paper", (128, 128))
+    cfg = interface._validate(q, q, q, None, True, "ws", None)[1]
+    assert (cfg.variant, cfg.tile) == ("ws", (128, 128))
     assert interface._validate(q, q, q, None, True, "ws", (192, 128))[1].tile == (192, 128)
-    assert interface._validate(q, q, q, None, True, "paper", None)[1].variant == "paper"
     long_q = torch.zeros(1, 2048, 2, 64, dtype=torch.float16)
     assert interface._validate(long_q, long_q, long_q, None, True, None, None)[1].tile == (192, 128)
 
 
 def test_auto_variant_follows_the_measured_limits():
-    # The paper kernel for short key sequences where it measured faster (d = 64 non-causal up
-    # to 1024 keys; d = 128 causal up to 512), the ws kernel everywhere else.
+    # The paper kernel for short key sequences where it measured faster (d = 64 up to 1024 keys;
+    # d = 128 causal up to 512), the ws kernel everywhere else.
     assert auto_variant(64, False, 1024) == "paper" and auto_variant(64, False, 1025) == "ws"
-    assert auto_variant(64, True, 512) == "ws" and auto_variant(64, True, 2048) == "ws"
+    assert auto_variant(64, True, 1024) == "paper" and auto_variant(64, True, 1025) == "ws"
     assert auto_variant(128, True, 512) == "paper" and auto_variant(128, True, 513) == "ws"
     assert auto_variant(128, False, 512) == "ws"
     assert auto_variant(256, False, 512) == "ws" and auto_variant(256, True, 512) == "ws"

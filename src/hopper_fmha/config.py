@@ -20,14 +20,14 @@ from functools import lru_cache
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 VARIANTS = ("paper", "ws")
 DEFAULT_VARIANT = "ws"  # with an explicit tile; without one, `auto_variant` picks per problem
-# Key lengths up to which the paper kernel (64-row tiles, several CTAs per SM) beats the ws
-# kernel (128/192-row tiles, one persistent CTA per SM): measured on the sweep preset, fp16 and
-# bf16, H200 (NOTES.md, "variant by problem", "ws v3"): at d = 64 non-causal up to 1024 keys
-# (fp16 +11-21%, bf16 -3-5%); at d = 128 causal up to 512 (a tie); never at d = 256, d = 128
-# non-causal, or d = 64 causal (ws +1-10% at 512 and 1024 keys since its causal tiles are
-# claimed late).
+# Key lengths up to which the paper kernel (one warpgroup per CTA, several CTAs per SM) beats the
+# ws kernel (one persistent CTA per SM): measured on the sweep preset, fp16 and bf16, H200
+# (NOTES.md, "variant by problem", "ws v3", "ws v4"): at d = 64 up to 1024 keys, non-causal
+# (fp16 +11-21%; bf16 too since P is converted in pairs: 0.187 vs 0.205 ms at N = 512) and causal
+# (its 128x128 tile, 0.145 vs 0.155 ms at 512 keys, 0.226 vs 0.233 at 1024, sustained at the
+# power cap); at d = 128 causal up to 512 (a tie); never at d = 256 or d = 128 non-causal.
 PAPER_MAX_SEQLEN_K = {64: 1024, 128: 0, 256: 0}
-PAPER_MAX_SEQLEN_K_CAUSAL = {64: 0, 128: 512, 256: 0}
+PAPER_MAX_SEQLEN_K_CAUSAL = {64: 1024, 128: 512, 256: 0}
 
 # Hopper (sm_90): per-thread register ceiling and opt-in shared memory per CTA.
 MAX_REGS_PER_THREAD = 255
@@ -51,7 +51,10 @@ PAPER_TILES = ((64, 64), (64, 128), (128, 64), (128, 128))
 # Each entry is the fastest fitting tile measured by `hopper-fmha bench --preset tiles`
 # (NOTES.md, "tile table"); until measured here they follow the paper's own best tiles that fit.
 PAPER_TILE_TABLE = {
-    64: (64, 128),
+    # 128x128 fits since P is converted in pairs (254 registers): sustained at the power cap it
+    # beats 64x128 by 2-6% (N = 512 bf16 0.187 vs 0.190 ms, N = 1024 0.328 vs 0.341, N = 4096
+    # fp16 1.211 vs 1.287; NOTES "ws v4").
+    64: (128, 128),
     128: (64, 64),
     256: (64, 64),
 }
@@ -104,8 +107,8 @@ def check_fits(head_dim: int, tile_m: int, tile_n: int) -> None:
     if regs > MAX_REGS_PER_THREAD:
         raise ValueError(
             f"tile {tile_m}x{tile_n} at head_dim={head_dim} needs about {regs} registers per thread "
-            f"(S {tile_m * tile_n // 128} + O {tile_m * head_dim // 128} "
-            f"+ {reg_overhead(head_dim)} overhead, P included) but a thread has at most {MAX_REGS_PER_THREAD}: "
+            f"(S {tile_m * tile_n // 128} + O {tile_m * head_dim // 128} + {reg_overhead(head_dim)} "
+            f"overhead, P included) but a thread has at most {MAX_REGS_PER_THREAD}: "
             f"it would spill. Use a smaller tile_m or tile_n."
         )
     smem = smem_bytes(head_dim, tile_m, tile_n)
