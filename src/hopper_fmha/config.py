@@ -208,8 +208,9 @@ WS_TILE_TABLE = {
     # FA4's tile (FA3's 128x176 non-causal measured 607 vs 676). GEMM-II's wait pinned after 24
     # exponentials: sustained at the 700 W cap (1 s of graph replays, B4 N4096 H16 non-causal),
     # 0.915 ms fp16 / 0.880 ms bf16 against 0.956 / 0.920 after 16 and 0.962 / 0.920 unpinned
-    # (FA4 0.920 / 0.881). After 16, ptxas's schedule costs no cycles but 2.5x the L2 reads
-    # (no request merging across CTAs), and the card clocks down (NOTES "ws v4").
+    # (FA4 0.920 / 0.881). After 16, ptxas's schedule costs few cycles (ncu 1.33 vs 1.29 M) but
+    # reads 2.4x the L2 sectors (126 vs 52 M: no request merging across CTAs), and at the power
+    # cap the card clocks down (NOTES "ws v4").
     128: WsChoice((128, 128), num_stages=2, intra_wg_overlap=True, pingpong=True, pin_pv_wait=24),
     # The widest tile_n whose two K and two V stages fit shared memory. No pingpong above d128, as
     # FA3/FA4 (672 vs 703 with it); O rescaled while GEMM-I runs (+13%). Pinning the wait lost
