@@ -158,6 +158,20 @@ def test_ws_other_tiles(hopper_gpu, tile, causal):
             assert_close_to_reference(q, k, v, 0.1, causal, out, lse)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("problem", sorted(config.WS_SHORT_TILE), ids=str)
+def test_ws_short_tiles(hopper_gpu, problem, dtype):
+    """The tiles `auto_ws_tile` picks for short problems, in both dtypes, on tail shapes."""
+    d, causal = problem
+    max_seqlen_k, tile = config.WS_SHORT_TILE[problem]
+    cfg = config.select_config(d, "ws", tile)
+    for sq, sk in ((113, 203), (300, max_seqlen_k - 12)):
+        q, k, v = make_inputs(2, sq, sk, 4, 2, d, dtype, seed=sq + d)
+        scale = config.default_softmax_scale(d)
+        out, lse = run_kernel(q, k, v, scale, causal, cfg)
+        assert_close_to_reference(q, k, v, scale, causal, out, lse)
+
+
 @pytest.mark.parametrize("variant", ["paper", "ws"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_public_api_runs_the_kernel(hopper_gpu, variant, causal):

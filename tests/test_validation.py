@@ -150,11 +150,14 @@ def test_variant_rejected_by_config():
         flash_attn_func(q, k, v, variant="fa3")
 
 
-def test_auto_ws_tile_for_short_causal_d64():
-    # 128x128 for d = 64 causal up to 1024 keys (measured faster there), the table's tile else.
+def test_auto_ws_tile_for_short_problems():
+    # 128x128 for d = 64 causal up to 1024 keys, 128x64 for d = 256 up to 512 keys (causal: 1024)
+    # (measured faster there), the table's tile else.
     assert auto_ws_tile(64, True, 512) == (128, 128) and auto_ws_tile(64, True, 1024) == (128, 128)
     assert auto_ws_tile(64, True, 1025) is None and auto_ws_tile(64, False, 512) is None
-    assert auto_ws_tile(128, True, 512) is None and auto_ws_tile(256, True, 512) is None
+    assert auto_ws_tile(128, True, 512) is None and auto_ws_tile(128, False, 512) is None
+    assert auto_ws_tile(256, False, 512) == (128, 64) and auto_ws_tile(256, False, 513) is None
+    assert auto_ws_tile(256, True, 1024) == (128, 64) and auto_ws_tile(256, True, 1025) is None
     # What flash_attn_func resolves: no variant, no tile -> the paper kernel there (its 128x128
     # tile); ws asked for without a tile -> ws at 128x128; a tile asked for is kept.
     q = torch.zeros(1, 512, 2, 64, dtype=torch.float16)

@@ -219,19 +219,26 @@ WS_TILE_TABLE = {
 }
 
 
-# ws tiles that beat the table's on short causal problems: head dim -> (max seqlen_k, tile).
+# ws tiles that beat the table's on short problems: (head dim, causal) -> (max seqlen_k, tile).
 # d = 64 causal, N = 512 / 1024 (H200, `bench/results/2026-11-21-h200-v3/custom-…T0824.md`):
 # 128x128 224.6 / 296.8 TFLOP/s fp16 vs 199.1 / 267.8 for 192x128 (bf16 227.8 / 300.6 vs
-# 203.7 / 273.4): two query tiles per 256 rows instead of one and a half keep more SMs busy.
-WS_SHORT_CAUSAL_TILE = {64: (1024, (128, 128))}
+# 203.7 / 273.4): two query tiles per 256 rows instead of one and a half keep more SMs busy
+# (the paper kernel, the default there since v4, is faster still). d = 256, sustained at the
+# power cap (`…-v4/power-d256-short.txt`, fp16 ms per call, 128x64 vs 128x80): N = 512
+# non-causal 0.157 vs 0.161, causal 0.118 vs 0.124; N = 1024 causal 0.170 vs 0.174, but
+# non-causal 0.262 vs 0.259: 512 keys are 8 blocks of 64 but 7 of 80, the last one 40% empty.
+WS_SHORT_TILE = {
+    (64, True): (1024, (128, 128)),
+    (256, False): (512, (128, 64)),
+    (256, True): (1024, (128, 64)),
+}
 
 
 def auto_ws_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
     """The ws tile for a problem when no tile is asked for: None means the table's."""
-    if causal and head_dim in WS_SHORT_CAUSAL_TILE:
-        max_seqlen_k, tile = WS_SHORT_CAUSAL_TILE[head_dim]
-        if seqlen_k <= max_seqlen_k:
-            return tile
+    found = WS_SHORT_TILE.get((head_dim, causal))
+    if found is not None and seqlen_k <= found[0]:
+        return found[1]
     return None
 
 
