@@ -646,9 +646,9 @@ def test_problem_is_timed_in_interleaved_rounds(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     real_block = runner._block
 
-    def block(entry, mode, count, timer, keep=True):
+    def block(entry, mode, count, timer, keep=True, steady_ms=0.0):
         log.append((entry.backend.name, mode, keep))
-        real_block(entry, mode, count, timer, keep)
+        real_block(entry, mode, count, timer, keep, steady_ms)
 
     monkeypatch.setattr(runner, "_block", block)
     backends = [
@@ -744,3 +744,27 @@ def test_method_line_names_the_untimed_rounds():
     assert settle_text(0) == ""
     assert settle_text(1) == " and 1 untimed round of every backend"
     assert settle_text(2).endswith("2 untimed rounds of every backend")
+
+
+def test_steady_blocks_run_untimed_first():
+    from hopper_fmha.bench.report import steady_text
+
+    class Sampler:
+        calls = 2
+
+        def __init__(self):
+            self.taken = 0
+
+        def samples(self, n):
+            self.taken += n
+            return [0.5] * n  # 1 ms of GPU time per sample (2 calls of 0.5 ms)
+
+    s = Sampler()
+    assert timing.run_untimed(s, 20.0) == 24.0 and s.taken == 24  # whole batches of 8
+    assert timing.run_untimed(Sampler(), 0.0) == 0.0
+    assert timing.TimingSettings().steady_ms == 0.0
+    settings = bench_cli.timing_settings(_parser().parse_args(["bench", "--steady-ms", "300"]))
+    assert settings.steady_ms == 300.0
+    with pytest.raises(ValueError, match="--steady-ms"):
+        bench_cli.timing_settings(_parser().parse_args(["bench", "--steady-ms", "-1"]))
+    assert steady_text(0) == "" and "300 ms of untimed calls" in steady_text(300.0)

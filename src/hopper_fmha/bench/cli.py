@@ -78,6 +78,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     how.add_argument(
         "--rounds", type=int, help="interleaved timing rounds per problem (default 3, --quick 1)"
     )
+    how.add_argument(
+        "--steady-ms",
+        type=float,
+        help="run each timing block this long untimed first, so every kernel is timed at the clock "
+        "its own power draw settles to (default 0; 300 suits a power-capped card)",
+    )
     how.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     how.add_argument("--quick", action="store_true", help="few iterations: a smoke test, not a measurement")
     how.add_argument(
@@ -170,10 +176,12 @@ def _select_ours(names: list[str], variant: str | None, tile: str | None) -> lis
 
 def timing_settings(args) -> TimingSettings:
     s = TimingSettings.quick() if args.quick else TimingSettings()
-    keys = ("warmup", "iters", "rounds")
+    keys = ("warmup", "iters", "rounds", "steady_ms")
     changes = {k: getattr(args, k, None) for k in keys if getattr(args, k, None) is not None}
     if changes.get("iters", 1) < 1 or changes.get("warmup", 0) < 0 or changes.get("rounds", 1) < 1:
         raise ValueError("--iters and --rounds must be at least 1 and --warmup at least 0")
+    if changes.get("steady_ms", 0) < 0:
+        raise ValueError("--steady-ms must be at least 0")
     return TimingSettings(**{**s.__dict__, **changes})
 
 

@@ -32,6 +32,13 @@ SUBSETS = (
 )
 
 
+def steady_text(steady_ms: float) -> str:
+    """The method line's words for the untimed start of every block (`--steady-ms`)."""
+    if not steady_ms:
+        return ""
+    return f", each block after {steady_ms:g} ms of untimed calls of the same backend"
+
+
 def settle_text(settle: int) -> str:
     """The method line's words for the untimed rounds after the pre-heat."""
     if not settle:
@@ -365,7 +372,8 @@ def _env_lines(results: dict) -> list[str]:
             f"then, after {s.get('preheat_ms', 0) / 1e3:.2f} s of sustained matmul load"
             f"{settle_text(s.get('settle_rounds', 0))}, all are timed "
             f"in {rounds} interleaved round(s), round-robin (first backend rotating, eager/graph order "
-            f"alternating), {per_round} samples per mode and round: median of all "
+            f"alternating){steady_text(s.get('steady_ms', 0))}, {per_round} samples per mode and "
+            f"round: median of all "
             f"{per_round * rounds} samples, CUDA events."
         )
     else:  # results written before rounds existed

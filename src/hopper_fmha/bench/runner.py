@@ -39,6 +39,7 @@ from hopper_fmha.bench.timing import (
     launch_us,
     num_input_sets,
     round_schedule,
+    run_untimed,
     summarize,
     time_first_call,
 )
@@ -353,16 +354,18 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
             rec["profile"]["launch_us"] = launch_us(fns, timer)
 
 
-def _block(entry: _Entry, mode: str, count: int, timer, keep: bool = True) -> None:
-    """One block of samples for one backend in one mode (thrown away unless `keep`: a settling
-    round); a failure drops that mode (eager: the whole backend) and is recorded. Raises
-    CudaContextLost."""
+def _block(entry: _Entry, mode: str, count: int, timer, keep: bool = True, steady_ms: float = 0.0) -> None:
+    """One block of samples for one backend in one mode, after `steady_ms` of untimed calls
+    (thrown away unless `keep`: a settling round); a failure drops that mode (eager: the whole
+    backend) and is recorded. Raises CudaContextLost."""
     sampler = entry.samplers.get(mode)
     if sampler is None:
         return
     rec = entry.rec
     try:
         with entry.backend.context():
+            if steady_ms > 0:
+                run_untimed(sampler, steady_ms)
             samples = sampler.samples(count)
             if keep:
                 entry.rounds[mode].append(samples)
@@ -434,7 +437,10 @@ def run_problem(
             settle = max(settings.settle_rounds, 0)
             for r, blocks in enumerate(round_schedule(len(timed), settle + max(settings.rounds, 1))):
                 for i, mode in blocks:
-                    _block(timed[i], mode, settings.per_round, timer, keep=r >= settle)
+                    _block(
+                        timed[i], mode, settings.per_round, timer, keep=r >= settle,
+                        steady_ms=settings.steady_ms,
+                    )  # fmt: skip
     except CudaContextLost as e:
         for entry in entries:
             if entry.rec is not e.record and entry.samplers and not any(entry.rounds.values()):

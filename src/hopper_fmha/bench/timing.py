@@ -49,6 +49,10 @@ class TimingSettings:
     # H200 the block right after the matmul load ran 10-25% slow on every problem while the clock
     # climbed back (~20 ms); without this round that block is always the first backend's.
     settle_rounds: int = 1
+    # Untimed GPU time at the start of every block: under a power cap the clock follows the
+    # running kernel's draw with a lag of tens of ms, so short blocks are timed partly at the
+    # clock the previous backend left. 0 keeps blocks short (the default).
+    steady_ms: float = 0.0
 
     @classmethod
     def quick(cls) -> TimingSettings:
@@ -171,6 +175,17 @@ class EagerSampler:
         self._next = c % n
         timer.synchronize()
         return [timer.elapsed_ms(a, b) / calls for a, b in marks]
+
+
+def run_untimed(sampler, ms: float, batch: int = 8) -> float:
+    """Run `sampler` untimed for at least `ms` of GPU time; returns the time spent (ms)."""
+    spent = 0.0
+    while spent < ms:
+        step = sum(sampler.samples(batch)) * sampler.calls
+        if step <= 0:  # a timer that reports nothing would never get there
+            break
+        spent += step
+    return spent
 
 
 def time_eager(fns: Sequence[Callable[[], object]], timer, s: TimingSettings) -> dict:
