@@ -305,3 +305,25 @@ def test_fake_matches_real_metadata():
         out, lse = torch.ops.hopper_fmha.fwd(fq, fk, fv, 0.125, False, "paper", 128, 64)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
     assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+
+
+def test_ws_switches_are_declared_everywhere():
+    # Every switch in config.WS_SWITCHES is a field of WsChoice, KernelConfig and KernelKey and a
+    # keyword of WsFwdSm90, with one default (WsChoice has none: the table sets every one).
+    import dataclasses
+    import inspect
+
+    from hopper_fmha import config
+    from hopper_fmha.kernels.cache import KernelKey
+
+    choice_fields = {f.name for f in dataclasses.fields(config.WsChoice)}
+    cfg_defaults = {f.name: f.default for f in dataclasses.fields(config.KernelConfig)}
+    from hopper_fmha.kernels.sm90_ws import WsFwdSm90
+
+    kernel_params = inspect.signature(WsFwdSm90.__init__).parameters
+    for name in config.WS_SWITCHES:
+        assert name in choice_fields
+        assert KernelKey._field_defaults[name] == cfg_defaults[name] == kernel_params[name].default
+    assert KernelKey._fields[6:] == config.WS_SWITCHES  # from_config passes them in this order
+    key = KernelKey.from_config("float16", False, config.select_config(128, "ws"))
+    assert key.pin_pv_wait == config.WS_TILE_TABLE[128].pin_pv_wait > 0

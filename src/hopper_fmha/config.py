@@ -188,6 +188,12 @@ def check_fits_ws(head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2) 
         )
 
 
+# The ws kernel's compile-time switches, by name: fields of WsChoice, KernelConfig and
+# kernels.KernelKey and keyword arguments of kernels.sm90_ws.WsFwdSm90, copied between them by
+# this list (a test checks that all four have every name, with the same defaults).
+WS_SWITCHES = ("num_stages", "intra_wg_overlap", "pingpong", "rescale_o_early", "pin_pv_wait")
+
+
 @dataclass(frozen=True)
 class WsChoice:
     tile: tuple[int, int]
@@ -269,11 +275,7 @@ def select_config(
             tile_m=tile[0],
             tile_n=tile[1],
             num_threads=128 * (1 + tile[0] // 64),
-            num_stages=choice.num_stages,
-            intra_wg_overlap=choice.intra_wg_overlap,
-            pingpong=choice.pingpong,
-            rescale_o_early=choice.rescale_o_early,
-            pin_pv_wait=choice.pin_pv_wait,
+            **{name: getattr(choice, name) for name in WS_SWITCHES},
         )
     if tile is None:
         tile = PAPER_TILE_TABLE[head_dim]

@@ -14,8 +14,14 @@ import os
 import tempfile
 import threading
 import time
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from hopper_fmha.config import WS_SWITCHES
+
+# The switch values of a KernelConfig, in KernelKey's field order (one C call on the per-call path).
+_ws_switches = attrgetter(*WS_SWITCHES)
 
 
 class KernelKey(NamedTuple):
@@ -35,10 +41,7 @@ class KernelKey(NamedTuple):
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
         """The key of `cfg` (a `hopper_fmha.config.KernelConfig`) for a dtype name and mask."""
-        return cls(
-            dtype, cfg.head_dim, cfg.tile_m, cfg.tile_n, causal, cfg.variant,
-            cfg.num_stages, cfg.intra_wg_overlap, cfg.pingpong, cfg.rescale_o_early, cfg.pin_pv_wait,
-        )  # fmt: skip
+        return cls(dtype, cfg.head_dim, cfg.tile_m, cfg.tile_n, causal, cfg.variant, *_ws_switches(cfg))
 
     def slug(self) -> str:
         c = "causal" if self.causal else "full"
@@ -105,18 +108,8 @@ def _kernel_object(key: KernelKey):
     if key.variant == "paper":
         return PaperFwdSm90(dtype, key.head_dim, key.tile_m, key.tile_n, key.causal), dtype
     if key.variant == "ws":
-        kernel = WsFwdSm90(
-            dtype,
-            key.head_dim,
-            key.tile_m,
-            key.tile_n,
-            key.causal,
-            num_stages=key.num_stages,
-            intra_wg_overlap=key.intra_wg_overlap,
-            pingpong=key.pingpong,
-            rescale_o_early=key.rescale_o_early,
-            pin_pv_wait=key.pin_pv_wait,
-        )
+        switches = {name: getattr(key, name) for name in WS_SWITCHES}
+        kernel = WsFwdSm90(dtype, key.head_dim, key.tile_m, key.tile_n, key.causal, **switches)
         return kernel, dtype
     raise ValueError(f"unknown kernel variant {key.variant!r}")
 
