@@ -11,11 +11,17 @@ import functools
 import re
 import tempfile
 import time
-from dataclasses import astuple
+from dataclasses import astuple, replace
 
 import pytest
 
-from hopper_fmha.config import SUPPORTED_HEAD_DIMS, WS_TILE_TABLE, check_fits_ws, select_config
+from hopper_fmha.config import (
+    SUPPORTED_HEAD_DIMS,
+    WS_TILE_TABLE,
+    check_fits_ws,
+    launch_config,
+    select_config,
+)
 from hopper_fmha.kernels.cache import KernelKey, compile_kernel
 from hopper_fmha.kernels.inspect import kernel_resources, sass, sass_summary
 
@@ -28,7 +34,7 @@ def key_for(cfg, dtype: str, causal: bool) -> KernelKey:
 
 # dtype and causal change the generated code; the head dim changes tile, budget and switches.
 SHIPPED = [
-    key_for(select_config(head_dim, "ws"), dtype, causal)
+    key_for(launch_config(select_config(head_dim, "ws"), causal, 4096), dtype, causal)
     for head_dim in SUPPORTED_HEAD_DIMS
     for dtype in ("float16", "bfloat16")
     for causal in (False, True)
@@ -57,6 +63,7 @@ def inspected(key: KernelKey) -> dict:
     row["wait_group_1"] = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1\b", text))
     # Pingpong arrives; named barriers 5 and 6 (the tile-index hand-off) do not count.
     row["bar_arrive"] = len(re.findall(r"\bBAR\.ARV\b(?! 0x[56]\b)", text))
+    row["tma_multicast"] = len(re.findall(r"UTMALDG\.\S*MULTICAST", text))
     return row
 
 
@@ -76,6 +83,9 @@ def test_shipped_ws_config(key, record_property):
     )
     assert (row["wait_group_1"] > 0) == key.intra_wg_overlap, "intra-warpgroup overlap switch not in the SASS"
     assert (row["bar_arrive"] > 0) == key.pingpong, "pingpong switch not in the SASS"
+    # CTA pairs: K/V loads multicast (non-causal); causal keys launch unpaired.
+    assert key.cluster_m == (1 if key.causal else WS_TILE_TABLE[key.head_dim].cluster_m)
+    assert (row["tma_multicast"] > 0) == (key.cluster_m > 1), "K/V multicast switch not in the SASS"
 
 
 @pytest.mark.parametrize(
@@ -83,6 +93,7 @@ def test_shipped_ws_config(key, record_property):
 )
 def test_ws_register_model_agrees_with_ptxas(head_dim, tile, record_property):
     choice = WS_TILE_TABLE[head_dim]
+    choice = replace(choice, cluster_m=1)  # causal: unpaired
     row = inspected(KernelKey("float16", head_dim, *tile, True, "ws", *astuple(choice)[1:]))
     record_property("kernel_resources", row)
     try:

@@ -8,6 +8,7 @@ before each call, so an unwritten element fails the finiteness check.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -170,6 +171,34 @@ def test_ws_short_tiles(hopper_gpu, problem, dtype):
         scale = config.default_softmax_scale(d)
         out, lse = run_kernel(q, k, v, scale, causal, cfg)
         assert_close_to_reference(q, k, v, scale, causal, out, lse)
+
+
+CLUSTER_SEQLENS = [(1, 1), (113, 203), (239, 1), (1023, 1024), (1000, 777), (4224, 4224)]
+
+
+@pytest.mark.parametrize("seqlens", CLUSTER_SEQLENS, ids=[f"{a}x{b}" for a, b in CLUSTER_SEQLENS])
+@pytest.mark.parametrize("schedule", ["single", "persistent", "persistent-4", "persistent-3"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_ws_cluster(hopper_gpu, monkeypatch, dtype, d, schedule, seqlens):
+    """CTA pairs sharing K/V by multicast (cluster_m=2, non-causal) at each head dim's table
+    tile, launched directly (`forward` would run odd tile counts unpaired): an odd number of
+    query tiles leaves the second CTA of the last pair past the end; "persistent-3" rounds down
+    to one pair."""
+    from hopper_fmha import kernels
+
+    mode, _, ctas = schedule.partition("-")
+    monkeypatch.setattr(kernels, "SCHEDULE", mode)
+    monkeypatch.setattr(kernels, "PERSISTENT_CTAS", int(ctas) if ctas else None)
+    cfg = dataclasses.replace(config.select_config(d, "ws"), cluster_m=2)
+    sq, sk = seqlens
+    q, k, v = make_inputs(2, sq, sk, 6, 2, d, dtype, seed=hash(("cl", d, schedule, seqlens)) % 2**31)
+    scale = config.default_softmax_scale(d)
+    fn = kernels.get_kernel(kernels.KernelKey.from_config(str(dtype).removeprefix("torch."), False, cfg))
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((2, 6, sq), math.nan, device="cuda", dtype=torch.float32)
+    kernels.launch(fn, q, k, v, out, lse, scale, False, ws=True)
+    assert_close_to_reference(q, k, v, scale, False, out, lse)
 
 
 @pytest.mark.parametrize("variant", ["paper", "ws"])

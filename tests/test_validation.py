@@ -5,6 +5,7 @@ The plumbing tests replace the device check and the kernel launch with CPU stand
 custom op, the stride conformance and the empty-input paths without a GPU.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -168,6 +169,27 @@ def test_auto_ws_tile_for_short_problems():
     assert interface._validate(q, q, q, None, True, "ws", (192, 128))[1].tile == (192, 128)
     long_q = torch.zeros(1, 2048, 2, 64, dtype=torch.float16)
     assert interface._validate(long_q, long_q, long_q, None, True, None, None)[1].tile == (192, 128)
+
+
+def test_cta_pairs_only_where_they_apply():
+    # The table's ws configs run as CTA pairs (K/V multicast) on non-causal problems whose query
+    # tiles pair up; causal problems and odd tile counts launch the same config unpaired.
+    from hopper_fmha.config import launch_config
+
+    for d in (64, 128, 256):
+        cfg = select_config(d, "ws")
+        assert cfg.cluster_m == 2
+        even = 2 * cfg.tile_m * 3  # six query tiles
+        assert launch_config(cfg, False, even) is cfg
+        assert launch_config(cfg, False, even - 1) is cfg  # the last tile short, still six
+        assert launch_config(cfg, False, even + 1).cluster_m == 1  # seven tiles
+        assert launch_config(cfg, True, even).cluster_m == 1
+        unpaired = launch_config(cfg, True, even)
+        assert unpaired == dataclasses.replace(cfg, cluster_m=1)  # nothing else changes
+    # d = 64 tiles are 192 rows: 2048 queries make 11 of them, 4096 make 22.
+    assert launch_config(select_config(64, "ws"), False, 2048).cluster_m == 1
+    assert launch_config(select_config(64, "ws"), False, 4096).cluster_m == 2
+    assert select_config(128, "paper").cluster_m == 1
 
 
 def test_auto_variant_follows_the_measured_limits():

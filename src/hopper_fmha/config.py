@@ -14,7 +14,7 @@ buffers each. Its tiles are checked by `check_fits_ws`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -78,6 +78,7 @@ class KernelConfig:
     pingpong: bool = True
     rescale_o_early: bool = False
     pin_pv_wait: int = 0
+    cluster_m: int = 1
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -191,7 +192,7 @@ def check_fits_ws(head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2) 
 # The ws kernel's compile-time switches, by name: fields of WsChoice, KernelConfig and
 # kernels.KernelKey and keyword arguments of kernels.sm90_ws.WsFwdSm90, copied between them by
 # this list (a test checks that all four have every name, with the same defaults).
-WS_SWITCHES = ("num_stages", "intra_wg_overlap", "pingpong", "rescale_o_early", "pin_pv_wait")
+WS_SWITCHES = ("num_stages", "intra_wg_overlap", "pingpong", "rescale_o_early", "pin_pv_wait", "cluster_m")
 
 
 @dataclass(frozen=True)
@@ -203,25 +204,35 @@ class WsChoice:
     rescale_o_early: bool = False
     # n > 0: GEMM-II's wait follows the first n exponentials of the softmax (see WsFwdSm90).
     pin_pv_wait: int = 0
+    # 2: CTA pairs share K/V blocks by TMA multicast (non-causal; see WsFwdSm90).
+    cluster_m: int = 1
 
 
 # The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and
-# kept or changed by H200 measurements (NOTES.md, "ws tile table", "ws v2", "ws v3").
+# kept or changed by H200 measurements (NOTES.md, "ws tile table", "ws v2", "ws v3", "ws v5").
+# cluster_m=2 everywhere: CTA pairs multicast K/V (non-causal, even tile counts: `launch_config`).
+# Sustained at the 700 W cap, fp16 B4 N4096 non-causal, ms per call paired vs single (FA4):
+# d64 1.176 vs 1.187 (1.162), d128 0.912 vs 0.934 (0.924), d256 0.858 vs 0.879 (0.859). Same
+# cycles per call, a higher clock: half the L2 reads of K and V cost less energy.
 WS_TILE_TABLE = {
     # 3 consumer warpgroups: each K/V tile serves 192 query rows (FA3/FA4's d64 choice); 128x128
     # measured 386 vs 534 TFLOP/s. Pinning GEMM-II's wait: +2% (8 exponentials), -3% (16): off.
-    64: WsChoice((192, 128), num_stages=2, intra_wg_overlap=True, pingpong=True),
+    64: WsChoice((192, 128), num_stages=2, intra_wg_overlap=True, pingpong=True, cluster_m=2),
     # FA4's tile (FA3's 128x176 non-causal measured 607 vs 676). GEMM-II's wait pinned after 24
     # exponentials: sustained at the 700 W cap (1 s of graph replays, B4 N4096 H16 non-causal),
     # 0.915 ms fp16 / 0.880 ms bf16 against 0.956 / 0.920 after 16 and 0.962 / 0.920 unpinned
     # (FA4 0.920 / 0.881). After 16, ptxas's schedule costs few cycles (ncu 1.33 vs 1.29 M) but
     # reads 2.4x the L2 sectors (126 vs 52 M: no request merging across CTAs), and at the power
     # cap the card clocks down (NOTES "ws v4").
-    128: WsChoice((128, 128), num_stages=2, intra_wg_overlap=True, pingpong=True, pin_pv_wait=24),
+    128: WsChoice(
+        (128, 128), num_stages=2, intra_wg_overlap=True, pingpong=True, pin_pv_wait=24, cluster_m=2
+    ),
     # The widest tile_n whose two K and two V stages fit shared memory. No pingpong above d128, as
     # FA3/FA4 (672 vs 703 with it); O rescaled while GEMM-I runs (+13%). Pinning the wait lost
     # 8-14% here.
-    256: WsChoice((128, 80), num_stages=2, intra_wg_overlap=True, pingpong=False, rescale_o_early=True),
+    256: WsChoice(
+        (128, 80), num_stages=2, intra_wg_overlap=True, pingpong=False, rescale_o_early=True, cluster_m=2
+    ),
 }
 
 
@@ -246,6 +257,24 @@ def auto_ws_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] 
     if found is not None and seqlen_k <= found[0]:
         return found[1]
     return None
+
+
+def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int) -> KernelConfig:
+    """`cfg` as launched on a problem: its CTA pairs (`cluster_m`) only where they apply.
+
+    Pairs need tiles that visit the same key blocks (non-causal) and an even number of query
+    tiles: with an odd one the last pair's second CTA would compute a tile past the end, a
+    tile of waste per (batch, head): d = 64 at N = 2048 and 8192 (11 and 43 tiles of 192)
+    measured 6% and 3% slower paired than single.
+    """
+    if cfg.cluster_m > 1 and (causal or -(-seqlen_q // cfg.tile_m) % cfg.cluster_m):
+        return _unpaired(cfg)
+    return cfg
+
+
+@lru_cache(maxsize=64)
+def _unpaired(cfg: KernelConfig) -> KernelConfig:
+    return replace(cfg, cluster_m=1)
 
 
 def auto_variant(head_dim: int, causal: bool, seqlen_k: int) -> str:

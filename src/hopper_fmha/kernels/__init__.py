@@ -22,6 +22,8 @@ import os
 # also right on a CPU-only machine, where it lets the kernels compile for inspection.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+from hopper_fmha.config import launch_config  # noqa: E402
+
 from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, dsl_flavor, get_kernel  # noqa: E402, F401
 from .inspect import compile_report  # noqa: E402, F401
 
@@ -36,6 +38,8 @@ LPT_L2_BYTES = 50 * 1024 * 1024
 
 
 def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg) -> None:
+    if cfg.cluster_m > 1:
+        cfg = launch_config(cfg, causal, q.shape[1])
     fn = get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg))
     launch(fn, q, k, v, out, lse, softmax_scale, causal, ws=cfg.variant == "ws")
 

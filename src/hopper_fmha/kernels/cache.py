@@ -37,6 +37,7 @@ class KernelKey(NamedTuple):
     pingpong: bool = True
     rescale_o_early: bool = False
     pin_pv_wait: int = 0
+    cluster_m: int = 1
 
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
@@ -51,6 +52,7 @@ class KernelKey(NamedTuple):
             pingpong = "pp" if self.pingpong else "nopp"
             slug += f"_s{self.num_stages}_{overlap}_{pingpong}" + ("_early" if self.rescale_o_early else "")
             slug += f"_pin{self.pin_pv_wait}" if self.pin_pv_wait else ""
+            slug += f"_cl{self.cluster_m}" if self.cluster_m > 1 else ""
         return slug
 
 

@@ -184,10 +184,10 @@ def inspect_kernel(key: KernelKey) -> dict:
 
 def shipped_keys(dtype: str = "float16", causal: bool = False, variants=("paper",)) -> list[KernelKey]:
     """One key per variant and head dim: the configuration `config.select_config` picks for it."""
-    from hopper_fmha.config import SUPPORTED_HEAD_DIMS, select_config
+    from hopper_fmha.config import SUPPORTED_HEAD_DIMS, launch_config, select_config
 
     return [
-        KernelKey.from_config(dtype, causal, select_config(d, variant))
+        KernelKey.from_config(dtype, causal, launch_config(select_config(d, variant), causal, 4096))
         for variant in variants
         for d in SUPPORTED_HEAD_DIMS
     ]

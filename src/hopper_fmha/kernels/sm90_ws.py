@@ -86,6 +86,7 @@ class WsFwdSm90:
         pingpong: bool = True,
         rescale_o_early: bool = False,
         pin_pv_wait: int = 0,
+        cluster_m: int = 1,
     ):
         assert head_dim in (64, 128, 256)
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
@@ -107,6 +108,13 @@ class WsFwdSm90:
         # just after the row maxima, so no exponential runs beside GEMM-II; a branch on the n-th
         # result (both arms wait) keeps the first n ahead of it.
         self.pin_pv_wait = pin_pv_wait if intra_wg_overlap else 0
+        # cluster_m = 2: CTAs work in pairs on neighbouring query tiles of one (batch, head), in
+        # lockstep over the same key blocks; each loads half of every K/V block and multicasts it
+        # into both, which halves the L2 reads of K and V. Non-causal only: both tiles must visit
+        # the same blocks.
+        assert cluster_m in (1, 2) and (cluster_m == 1 or not causal)
+        assert tile_n % (8 * cluster_m) == 0  # each half whole swizzle atoms
+        self.cluster_m = cluster_m
         # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
         # differ in work (causal), else in a fixed serpentine order (`next_tile`).
         self.dynamic_schedule = causal
@@ -189,11 +197,14 @@ class WsFwdSm90:
 
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (self.tile_m, self.head_dim))
+        tma_op_kv = tma_op
+        if const_expr(self.cluster_m > 1):
+            tma_op_kv = cpasync.CopyBulkTensorTileG2SMulticastOp()
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_op, mK, sKV_stage_layout, (self.tile_n, self.head_dim)
+            tma_op_kv, mK, sKV_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
         )
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_op, mV, sKV_stage_layout, (self.tile_n, self.head_dim)
+            tma_op_kv, mV, sKV_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
         )
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim)
@@ -213,11 +224,13 @@ class WsFwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        num_tiles = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m) * mQ.shape[2] * mQ.shape[3]
-        num_ctas = num_tiles
+        # Tiles (cluster_m = 2: pairs of query tiles), one per cluster at a time.
+        num_tiles = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m * self.cluster_m)
+        num_tiles = num_tiles * mQ.shape[2] * mQ.shape[3]
+        num_clusters = num_tiles
         if max_ctas > 0:
-            num_ctas = cutlass.min(num_tiles, max_ctas)
-        grid = (num_ctas, 1, 1)
+            num_clusters = cutlass.min(num_tiles, cutlass.max(max_ctas // self.cluster_m, 1))
+        grid = (num_clusters * self.cluster_m, 1, 1)
         self.kernel(
             tma_atom_Q,
             tma_Q,
@@ -239,7 +252,13 @@ class WsFwdSm90:
             tiled_mma_qk,
             tiled_mma_pv,
             SharedStorage,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            cluster=[self.cluster_m, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -282,9 +301,14 @@ class WsFwdSm90:
                 # once, by the thread that waited for the O store to read Q's buffer.
                 cute.arch.mbarrier_init(mbar_Q_empty, self.num_mma_threads // 32 if self.separate_o else 1)
         # Pipelines initialise their barriers from warp 0; "full" completes on one producer
-        # arrive plus the TMA bytes, "empty" on one arrive per consumer WARP (lane 0 signals).
+        # arrive plus the TMA bytes (with multicast: both halves, one from each CTA), "empty" on
+        # one arrive per consumer WARP of every CTA the stage is multicast to (lane r signals
+        # CTA r of the cluster).
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        consumer_group = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_mma_threads // 32 * self.cluster_m
+        )
+        cta_layout_vmnk = cute.make_layout((1, self.cluster_m, 1, 1))
         bytes_KV = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         pipeline_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_K.data_ptr(),
@@ -292,6 +316,8 @@ class WsFwdSm90:
             producer_group=producer_group,
             consumer_group=consumer_group,
             tx_count=bytes_KV,
+            cta_layout_vmnk=cta_layout_vmnk,
+            mcast_mode_mn=(0, 1),
             defer_sync=True,
         )
         pipeline_v = pipeline.PipelineTmaAsync.create(
@@ -300,10 +326,13 @@ class WsFwdSm90:
             producer_group=producer_group,
             consumer_group=consumer_group,
             tx_count=bytes_KV,
+            cta_layout_vmnk=cta_layout_vmnk,
+            mcast_mode_mn=(0, 1),
             defer_sync=True,
         )
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
+        cluster_shape_mn = (self.cluster_m, 1) if const_expr(self.cluster_m > 1) else None
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_shape_mn)
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_shape_mn)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -341,6 +370,8 @@ class WsFwdSm90:
         """
         seqlen_q, seqlen_k, num_heads, num_batch, lpt_group = sched
         num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
+        if const_expr(self.cluster_m > 1):
+            num_m = (num_m + self.cluster_m - 1) // self.cluster_m
         m_block = tile % num_m
         hb = tile // num_m
         if lpt_group > 0:
@@ -353,6 +384,10 @@ class WsFwdSm90:
                 group_size = num_hb - group * lpt_group
             m_block = num_m - 1 - rest // group_size
             hb = group * lpt_group + rest % group_size
+        if const_expr(self.cluster_m > 1):
+            # The pair's query tiles; past the end for the second CTA when the count is odd
+            # (its Q loads as zeros, its O and LSE are clipped or skipped).
+            m_block = m_block * self.cluster_m + cute.arch.block_idx_in_cluster()
         return m_block, hb % num_heads, hb // num_heads
 
     @cute.jit
@@ -373,7 +408,8 @@ class WsFwdSm90:
     @cute.jit
     def num_tiles(self, sched) -> Int32:
         seqlen_q, seqlen_k, num_heads, num_batch, lpt_group = sched
-        return (seqlen_q + self.tile_m - 1) // self.tile_m * num_heads * num_batch
+        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
+        return (num_m + self.cluster_m - 1) // self.cluster_m * num_heads * num_batch
 
     @cute.jit
     def block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -425,8 +461,10 @@ class WsFwdSm90:
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         seqlen_q, seqlen_k = sched[0], sched[1]
         num_tiles = self.num_tiles(sched)
-        cta = cute.arch.block_idx()[0]
-        num_ctas = cute.arch.grid_dim()[0]
+        # Scheduling is per cluster; the CTAs of a pair walk the same tiles.
+        cta = cute.arch.block_idx()[0] // self.cluster_m
+        num_ctas = cute.arch.grid_dim()[0] // self.cluster_m
+        rank = cute.arch.block_idx_in_cluster()
         tile = cta
         q_phase = Int32(0)
         announced = Int32(0)
@@ -442,11 +480,13 @@ class WsFwdSm90:
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
             )
+            # With a cluster, this CTA's share of each K/V block (1/cluster_m of it).
+            kv_layout = cute.make_layout(self.cluster_m)
             tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+                tma_atom_K, rank, kv_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
             )
             tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+                tma_atom_V, rank, kv_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
             )
             if n_max > 0:
                 k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_max - 1)
@@ -532,12 +572,22 @@ class WsFwdSm90:
     ):
         """Wait for a free stage, arm its barrier with the byte count, issue the TMA (whole warp)."""
         pipe.producer_acquire(state)
-        cute.copy(
-            tma_atom,
-            tXgX[None, n_block],
-            tXsX[None, state.index],
-            tma_bar_ptr=pipe.producer_get_barrier(state),
-        )
+        if const_expr(self.cluster_m > 1):
+            # Into the same stage of every CTA of the cluster; each one's barrier counts the bytes.
+            cute.copy(
+                tma_atom,
+                tXgX[None, n_block],
+                tXsX[None, state.index],
+                tma_bar_ptr=pipe.producer_get_barrier(state),
+                mcast_mask=cutlass.Int16((1 << self.cluster_m) - 1),
+            )
+        else:
+            cute.copy(
+                tma_atom,
+                tXgX[None, n_block],
+                tXsX[None, state.index],
+                tma_bar_ptr=pipe.producer_get_barrier(state),
+            )
         state.advance()
         return state
 
