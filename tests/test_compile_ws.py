@@ -17,6 +17,7 @@ import pytest
 
 from hopper_fmha.config import (
     SUPPORTED_HEAD_DIMS,
+    WS_CAUSAL_SWITCHES,
     WS_TILE_TABLE,
     check_fits_ws,
     launch_config,
@@ -93,7 +94,7 @@ def test_shipped_ws_config(key, record_property):
 )
 def test_ws_register_model_agrees_with_ptxas(head_dim, tile, record_property):
     choice = WS_TILE_TABLE[head_dim]
-    choice = replace(choice, cluster_m=1)  # causal: unpaired
+    choice = replace(choice, cluster_m=1, **WS_CAUSAL_SWITCHES.get(head_dim, {}))  # as launched causal
     row = inspected(KernelKey("float16", head_dim, *tile, True, "ws", *astuple(choice)[1:]))
     record_property("kernel_resources", row)
     try:

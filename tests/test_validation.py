@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from hopper_fmha import flash_attn_func, interface
+from hopper_fmha import config, flash_attn_func, interface
 from hopper_fmha.config import auto_variant, auto_ws_tile, select_config
 from hopper_fmha.reference import reference
 
@@ -184,8 +184,13 @@ def test_cta_pairs_only_where_they_apply():
         assert launch_config(cfg, False, even - 1) is cfg  # the last tile short, still six
         assert launch_config(cfg, False, even + 1).cluster_m == 1  # seven tiles
         assert launch_config(cfg, True, even).cluster_m == 1
-        unpaired = launch_config(cfg, True, even)
-        assert unpaired == dataclasses.replace(cfg, cluster_m=1)  # nothing else changes
+        # Nothing else changes, but for the switches a causal launch sets differently.
+        assert launch_config(cfg, False, even + 1) == dataclasses.replace(cfg, cluster_m=1)
+        causal_switches = config.WS_CAUSAL_SWITCHES.get(d, {})
+        assert launch_config(cfg, True, even) == dataclasses.replace(cfg, cluster_m=1, **causal_switches)
+    # d = 64 pins GEMM-II's wait non-causal only.
+    assert launch_config(select_config(64, "ws"), False, 4096).pin_pv_wait == 12
+    assert launch_config(select_config(64, "ws"), True, 4096).pin_pv_wait == 0
     # d = 64 tiles are 192 rows: 2048 queries make 11 of them, 4096 make 22.
     assert launch_config(select_config(64, "ws"), False, 2048).cluster_m == 1
     assert launch_config(select_config(64, "ws"), False, 4096).cluster_m == 2

@@ -216,8 +216,10 @@ class WsChoice:
 # cycles per call, a higher clock: half the L2 reads of K and V cost less energy.
 WS_TILE_TABLE = {
     # 3 consumer warpgroups: each K/V tile serves 192 query rows (FA3/FA4's d64 choice); 128x128
-    # measured 386 vs 534 TFLOP/s. Pinning GEMM-II's wait: +2% (8 exponentials), -3% (16): off.
-    64: WsChoice((192, 128), num_stages=2, intra_wg_overlap=True, pingpong=True, cluster_m=2),
+    # measured 386 vs 534 TFLOP/s. GEMM-II's wait pinned after 12 exponentials: 1% less time
+    # per call non-causal (sustained, NOTES "ws v5"; 4, 8, 10 and 14 gained less), 1% more
+    # causal, so causal launches unpin it (WS_CAUSAL_SWITCHES).
+    64: WsChoice((192, 128), num_stages=2, intra_wg_overlap=True, pingpong=True, pin_pv_wait=12, cluster_m=2),
     # FA4's tile (FA3's 128x176 non-causal measured 607 vs 676). GEMM-II's wait pinned after 24
     # exponentials: sustained at the 700 W cap (1 s of graph replays, B4 N4096 H16 non-causal),
     # 0.915 ms fp16 / 0.880 ms bf16 against 0.956 / 0.920 after 16 and 0.962 / 0.920 unpinned
@@ -268,13 +270,20 @@ def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int) -> KernelConfi
     measured 6% and 3% slower paired than single.
     """
     if cfg.cluster_m > 1 and (causal or -(-seqlen_q // cfg.tile_m) % cfg.cluster_m):
-        return _unpaired(cfg)
+        return _unpaired(cfg, causal)
     return cfg
 
 
+# Switches a causal launch sets differently from the table, by head dim.
+# d = 64: GEMM-II's wait pinned after 12 exponentials pays non-causal (sustained, N = 4096:
+# 1.148-1.159 vs 1.158-1.171 ms fp16, 1.126 vs 1.138 bf16) but not causal (0.668 vs 0.661).
+WS_CAUSAL_SWITCHES = {64: {"pin_pv_wait": 0}}
+
+
 @lru_cache(maxsize=64)
-def _unpaired(cfg: KernelConfig) -> KernelConfig:
-    return replace(cfg, cluster_m=1)
+def _unpaired(cfg: KernelConfig, causal: bool) -> KernelConfig:
+    extra = WS_CAUSAL_SWITCHES.get(cfg.head_dim, {}) if causal else {}
+    return replace(cfg, cluster_m=1, **extra)
 
 
 def auto_variant(head_dim: int, causal: bool, seqlen_k: int) -> str:
