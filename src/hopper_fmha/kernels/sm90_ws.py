@@ -369,9 +369,7 @@ class WsFwdSm90:
         come last and fill the tail; K and V of a group fit in L2.
         """
         seqlen_q, seqlen_k, num_heads, num_batch, lpt_group = sched
-        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
-        if const_expr(self.cluster_m > 1):
-            num_m = (num_m + self.cluster_m - 1) // self.cluster_m
+        num_m = self.num_m_units(seqlen_q)
         m_block = tile % num_m
         hb = tile // num_m
         if lpt_group > 0:
@@ -408,8 +406,12 @@ class WsFwdSm90:
     @cute.jit
     def num_tiles(self, sched) -> Int32:
         seqlen_q, seqlen_k, num_heads, num_batch, lpt_group = sched
-        num_m = (seqlen_q + self.tile_m - 1) // self.tile_m
-        return (num_m + self.cluster_m - 1) // self.cluster_m * num_heads * num_batch
+        return self.num_m_units(seqlen_q) * num_heads * num_batch
+
+    @cute.jit
+    def num_m_units(self, seqlen_q: Int32) -> Int32:
+        """Query tiles per (batch, head), counted in clusters (pairs of tiles when cluster_m = 2)."""
+        return ((seqlen_q + self.tile_m - 1) // self.tile_m + self.cluster_m - 1) // self.cluster_m
 
     @cute.jit
     def block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -572,22 +574,15 @@ class WsFwdSm90:
     ):
         """Wait for a free stage, arm its barrier with the byte count, issue the TMA (whole warp)."""
         pipe.producer_acquire(state)
-        if const_expr(self.cluster_m > 1):
-            # Into the same stage of every CTA of the cluster; each one's barrier counts the bytes.
-            cute.copy(
-                tma_atom,
-                tXgX[None, n_block],
-                tXsX[None, state.index],
-                tma_bar_ptr=pipe.producer_get_barrier(state),
-                mcast_mask=cutlass.Int16((1 << self.cluster_m) - 1),
-            )
-        else:
-            cute.copy(
-                tma_atom,
-                tXgX[None, n_block],
-                tXsX[None, state.index],
-                tma_bar_ptr=pipe.producer_get_barrier(state),
-            )
+        # With a cluster: into the same stage of every CTA of it; each one's barrier counts the bytes.
+        mcast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)} if self.cluster_m > 1 else {}
+        cute.copy(
+            tma_atom,
+            tXgX[None, n_block],
+            tXsX[None, state.index],
+            tma_bar_ptr=pipe.producer_get_barrier(state),
+            **mcast,
+        )
         state.advance()
         return state
 
@@ -737,16 +732,7 @@ class WsFwdSm90:
         c: SimpleNamespace,
     ):
         """Overlapped loop, first half: S of the last block, its mask and softmax, P (no GEMM-II yet)."""
-        acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
-        c.pipeline_k.consumer_wait(k_state)
-        self.pingpong_wait(c.wg)
-        gemm(
-            c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1
-        )
-        self.pingpong_pass(c.wg)
-        warpgroup.wait_group(0)
-        c.pipeline_k.consumer_release(k_state)
-        k_state.advance()
+        acc_S, k_state = self.qk_waited(k_state, True, c)
         self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
         self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, True)
         convert(acc_S, c.tOrP_acc)
@@ -808,7 +794,41 @@ class WsFwdSm90:
         """Overlapped loop, second half: O += P V_0."""
         if const_expr(self.rescale_o_early):
             self.rescale_O(c.acc_O, c.o_scale)
+        return self.pv_waited(v_state, False, c)
+
+    @cute.jit
+    def qk_waited(
+        self, k_state: pipeline.PipelineState, take_token: cutlass.Constexpr[bool], c: SimpleNamespace
+    ):
+        """S = Q K^T for K's next stage, waited, the stage released; returns (S, next K state).
+
+        take_token: wait for the pingpong token first (else the caller holds it); it is passed
+        on once the GEMM is issued.
+        """
+        acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
+        c.pipeline_k.consumer_wait(k_state)
+        if const_expr(take_token):
+            self.pingpong_wait(c.wg)
+        gemm(
+            c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1
+        )
+        self.pingpong_pass(c.wg)
+        warpgroup.wait_group(0)
+        c.pipeline_k.consumer_release(k_state)
+        k_state.advance()
+        return acc_S, k_state
+
+    @cute.jit
+    def pv_waited(
+        self, v_state: pipeline.PipelineState, take_token: cutlass.Constexpr[bool], c: SimpleNamespace
+    ):
+        """O += P V for V's next stage, waited, the stage released; returns the next V state.
+
+        take_token: wait for the pingpong token after V lands (the token is not passed here).
+        """
         c.pipeline_v.consumer_wait(v_state)
+        if const_expr(take_token):
+            self.pingpong_wait(c.wg)
         gemm(
             c.tiled_mma_pv,
             c.acc_O,
@@ -836,35 +856,14 @@ class WsFwdSm90:
         With pingpong the token is held from GEMM-II of one block through GEMM-I of the next, so
         the two GEMMs of a warpgroup issue back to back while the other warpgroup does softmax.
         """
-        acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
-        c.pipeline_k.consumer_wait(k_state)
-        if const_expr(is_first):
-            self.pingpong_wait(c.wg)
-        gemm(
-            c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1
-        )
-        self.pingpong_pass(c.wg)
-        warpgroup.wait_group(0)
-        c.pipeline_k.consumer_release(k_state)
-        k_state.advance()
+        acc_S, k_state = self.qk_waited(k_state, is_first, c)
         if const_expr(masked):
             self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
         row_scale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, is_first)
         convert(acc_S, c.tOrP_acc)
         if const_expr(not is_first):
             self.rescale_O(c.acc_O, row_scale)
-        c.pipeline_v.consumer_wait(v_state)
-        self.pingpong_wait(c.wg)
-        gemm(
-            c.tiled_mma_pv,
-            c.acc_O,
-            c.tOrP,
-            c.tOrV[None, None, None, v_state.index],
-            zero_init=False,
-            wg_wait=0,
-        )
-        c.pipeline_v.consumer_release(v_state)
-        v_state.advance()
+        v_state = self.pv_waited(v_state, True, c)
         return k_state, v_state
 
     @cute.jit
