@@ -262,14 +262,15 @@ def auto_ws_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] 
 
 
 def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int) -> KernelConfig:
-    """`cfg` as launched on a problem: its CTA pairs (`cluster_m`) only where they apply.
+    """A ws `cfg` as launched on a problem: causal launches take `WS_CAUSAL_SWITCHES`, and CTA
+    pairs (`cluster_m`) run only where they apply.
 
     Pairs need tiles that visit the same key blocks (non-causal) and an even number of query
     tiles: with an odd one the last pair's second CTA would compute a tile past the end, a
     tile of waste per (batch, head): d = 64 at N = 2048 and 8192 (11 and 43 tiles of 192)
     measured 6% and 3% slower paired than single.
     """
-    if cfg.cluster_m > 1 and (causal or -(-seqlen_q // cfg.tile_m) % cfg.cluster_m):
+    if causal or (cfg.cluster_m > 1 and -(-seqlen_q // cfg.tile_m) % cfg.cluster_m):
         return _unpaired(cfg, causal)
     return cfg
 
@@ -282,6 +283,7 @@ WS_CAUSAL_SWITCHES = {64: {"pin_pv_wait": 0}}
 
 @lru_cache(maxsize=64)
 def _unpaired(cfg: KernelConfig, causal: bool) -> KernelConfig:
+    """cfg without CTA pairs and, causal, with the causal switches of its head dim."""
     extra = WS_CAUSAL_SWITCHES.get(cfg.head_dim, {}) if causal else {}
     return replace(cfg, cluster_m=1, **extra)
 

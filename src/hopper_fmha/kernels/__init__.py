@@ -38,7 +38,7 @@ LPT_L2_BYTES = 50 * 1024 * 1024
 
 
 def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg) -> None:
-    if cfg.cluster_m > 1:
+    if cfg.variant == "ws":
         cfg = launch_config(cfg, causal, q.shape[1])
     fn = get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg))
     launch(fn, q, k, v, out, lse, softmax_scale, causal, ws=cfg.variant == "ws")

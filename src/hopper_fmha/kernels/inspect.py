@@ -186,10 +186,10 @@ def shipped_keys(dtype: str = "float16", causal: bool = False, variants=("paper"
     """One key per variant and head dim: the configuration `config.select_config` picks for it."""
     from hopper_fmha.config import SUPPORTED_HEAD_DIMS, launch_config, select_config
 
+    configs = [select_config(d, variant) for variant in variants for d in SUPPORTED_HEAD_DIMS]
     return [
-        KernelKey.from_config(dtype, causal, launch_config(select_config(d, variant), causal, 4096))
-        for variant in variants
-        for d in SUPPORTED_HEAD_DIMS
+        KernelKey.from_config(dtype, causal, launch_config(cfg, causal, 4096) if cfg.variant == "ws" else cfg)
+        for cfg in configs
     ]
 
 
