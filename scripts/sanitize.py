@@ -5,7 +5,8 @@
 
 Shapes have tails on both sides, GQA and causal with seqlen_q != seqlen_k, so every code path
 (masked and unmasked key tiles, clipped TMA loads and stores) runs; 250 queries make two query
-tiles at every head dim, so the non-causal ws calls run as CTA pairs (K/V multicast). Prints
+tiles at every head dim, so the non-causal ws calls run as CTA pairs (K/V multicast); at d = 256
+the ws calls run both the short-problem tile (O through per-warpgroup buffers) and the table's. Prints
 the max error against the fp32 reference; the sanitizer's own summary decides clean or not.
 """
 
@@ -14,7 +15,7 @@ import sys
 import torch
 
 import hopper_fmha
-from hopper_fmha import kernels
+from hopper_fmha import config, kernels
 from hopper_fmha.reference import reference
 
 variants = sys.argv[1:] or ["paper", "ws"]
@@ -29,7 +30,16 @@ for variant, ctas in runs:
             q = torch.randn(1, 250, 4, d, device="cuda", dtype=torch.float16)
             k = torch.randn(1, 517, 2, d, device="cuda", dtype=torch.float16)
             v = torch.randn(1, 517, 2, d, device="cuda", dtype=torch.float16)
-            out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, variant=variant)
-            ref, _ = reference(q, k, v, causal=causal)
-            err = (out.float() - ref).abs().max().item()
-            print(f"{variant} ctas={ctas} d={d} causal={causal}: max error {err:.2e}", flush=True)
+            # ws: the tile picked for these 517 keys and, where that is a short-problem tile
+            # (d = 256: O through per-warpgroup buffers), the table's too.
+            tiles = [None]
+            if variant == "ws" and config.auto_ws_tile(d, causal, k.shape[1]) is not None:
+                tiles.append(config.WS_TILE_TABLE[d].tile)
+            for tile in tiles:
+                out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, variant=variant, tile=tile)
+                ref, _ = reference(q, k, v, causal=causal)
+                err = (out.float() - ref).abs().max().item()
+                print(
+                    f"{variant} ctas={ctas} d={d} tile={tile} causal={causal}: max error {err:.2e}",
+                    flush=True,
+                )

@@ -18,6 +18,7 @@ import pytest
 from hopper_fmha.config import (
     SUPPORTED_HEAD_DIMS,
     WS_CAUSAL_SWITCHES,
+    WS_SHORT_TILE,
     WS_TILE_TABLE,
     check_fits_ws,
     launch_config,
@@ -39,6 +40,10 @@ SHIPPED = [
     for head_dim in SUPPORTED_HEAD_DIMS
     for dtype in ("float16", "bfloat16")
     for causal in (False, True)
+] + [  # the short-problem tiles (d = 256's with O through per-warpgroup buffers)
+    key_for(launch_config(select_config(head_dim, "ws", tile), causal, 1024), dtype, causal)
+    for (head_dim, causal), (_, tile) in sorted(WS_SHORT_TILE.items())
+    for dtype in ("float16", "bfloat16")
 ]
 # Tiles at the edges of both register budgets (causal: the larger code path), for the model
 # check: per head dim and tile_m, the largest tile_n the model accepts and the next one, which spills.

@@ -201,6 +201,36 @@ def test_ws_cluster(hopper_gpu, monkeypatch, dtype, d, schedule, seqlens):
     assert_close_to_reference(q, k, v, scale, False, out, lse)
 
 
+# ws configs whose O leaves through a buffer per consumer warpgroup (split_o): the table tiles
+# at d = 64 and 128 (one pass) and d = 256's short tile (two passes of 128 columns).
+SPLIT_O = [(64, None, 2), (128, None, 2), (256, (128, 64), 2)]
+
+
+@pytest.mark.parametrize("seqlens", CLUSTER_SEQLENS, ids=[f"{a}x{b}" for a, b in CLUSTER_SEQLENS])
+@pytest.mark.parametrize("schedule", ["auto", "persistent-3"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "ws", SPLIT_O, ids=[f"d{d}-{t[0]}x{t[1]}-s{s}" if t else f"d{d}-s{s}" for d, t, s in SPLIT_O]
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_ws_split_o(hopper_gpu, monkeypatch, dtype, ws, causal, schedule, seqlens):
+    """O through a buffer per warpgroup (tails clipped by the TMA store, a pair's second tile past
+    the end, rows that see no key); Q's buffer released after the last GEMM-I, so the next tile's
+    Q loads while this one finishes ("persistent-3": many tiles per CTA)."""
+    from hopper_fmha import kernels
+
+    mode, _, ctas = schedule.partition("-")
+    monkeypatch.setattr(kernels, "SCHEDULE", mode)
+    monkeypatch.setattr(kernels, "PERSISTENT_CTAS", int(ctas) if ctas else None)
+    d, tile, stages = ws
+    cfg = dataclasses.replace(config.select_config(d, "ws", tile), split_o=True, num_stages=stages)
+    sq, sk = seqlens
+    q, k, v = make_inputs(2, sq, sk, 6, 2, d, dtype, seed=hash(("sO", ws, causal, seqlens)) % 2**31)
+    scale = config.default_softmax_scale(d)
+    out, lse = run_kernel(q, k, v, scale, causal, cfg)
+    assert_close_to_reference(q, k, v, scale, causal, out, lse)
+
+
 @pytest.mark.parametrize("variant", ["paper", "ws"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_public_api_runs_the_kernel(hopper_gpu, variant, causal):

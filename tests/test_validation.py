@@ -157,8 +157,18 @@ def test_auto_ws_tile_for_short_problems():
     assert auto_ws_tile(64, True, 512) == (128, 128) and auto_ws_tile(64, True, 1024) == (128, 128)
     assert auto_ws_tile(64, True, 1025) is None and auto_ws_tile(64, False, 512) is None
     assert auto_ws_tile(128, True, 512) is None and auto_ws_tile(128, False, 512) is None
-    assert auto_ws_tile(256, False, 512) == (128, 64) and auto_ws_tile(256, False, 513) is None
-    assert auto_ws_tile(256, True, 1024) == (128, 64) and auto_ws_tile(256, True, 1025) is None
+    assert auto_ws_tile(256, False, 1024) == (128, 64) and auto_ws_tile(256, False, 1025) is None
+    assert auto_ws_tile(256, True, 2048) == (128, 64) and auto_ws_tile(256, True, 2049) is None
+
+
+def test_split_o_where_a_whole_o_buffer_does_not_fit():
+    # O through per-warpgroup buffers exactly where Q + K/V stages leave room for those but not
+    # for a whole O tile: d = 256 at 128x64 (192 KiB + 32 KiB), not at 128x80 (224 KiB: neither
+    # fits) nor at d = 64 / 128 (a whole O buffer fits).
+    assert select_config(256, "ws", (128, 64)).split_o
+    assert not select_config(256, "ws").split_o  # 128x80
+    assert not select_config(128, "ws").split_o and not select_config(64, "ws").split_o
+    assert not select_config(256, "paper").split_o
     # What flash_attn_func resolves: no variant, no tile -> the paper kernel there (its 128x128
     # tile); ws asked for without a tile -> ws at 128x128; a tile asked for is kept.
     q = torch.zeros(1, 512, 2, 64, dtype=torch.float16)
@@ -335,8 +345,8 @@ def test_fake_matches_real_metadata():
 
 
 def test_ws_switches_are_declared_everywhere():
-    # Every switch in config.WS_SWITCHES is a field of WsChoice, KernelConfig and KernelKey and a
-    # keyword of WsFwdSm90, with one default (WsChoice has none: the table sets every one).
+    # Every switch in config.WS_SWITCHES is a field of KernelConfig and KernelKey and a keyword of
+    # WsFwdSm90, with one default, and a field of WsChoice unless derived from the tile.
     import dataclasses
     import inspect
 
@@ -349,7 +359,7 @@ def test_ws_switches_are_declared_everywhere():
 
     kernel_params = inspect.signature(WsFwdSm90.__init__).parameters
     for name in config.WS_SWITCHES:
-        assert name in choice_fields
+        assert (name in choice_fields) == (name not in config.WS_DERIVED_SWITCHES)
         assert KernelKey._field_defaults[name] == cfg_defaults[name] == kernel_params[name].default
     assert KernelKey._fields[6:] == config.WS_SWITCHES  # from_config passes them in this order
     key = KernelKey.from_config("float16", False, config.select_config(128, "ws"))

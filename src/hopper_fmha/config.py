@@ -79,6 +79,7 @@ class KernelConfig:
     rescale_o_early: bool = False
     pin_pv_wait: int = 0
     cluster_m: int = 1
+    split_o: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -161,6 +162,21 @@ def ws_smem_bytes(head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem
     return (tile_m + 2 * num_stages * tile_n) * head_dim * elem_bytes + 1024
 
 
+def ws_split_o(head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2) -> bool:
+    """Whether O leaves through a buffer per consumer warpgroup (64 rows x min(d, 128) columns):
+    where a whole separate O buffer does not fit beside Q, K and V but those do. Otherwise O has
+    its own buffer if it fits, else Q's, and then the next tile's Q waits for O's TMA store.
+
+    d = 256 at 128x64 (sustained at the 700 W cap, ms per call, 128x64 through Q's buffer ->
+    per-warpgroup buffers; NOTES "ws v6"): N = 512 non-causal 0.150 -> 0.143, causal 0.114 ->
+    0.108; N = 1024 causal 0.166 -> 0.160; N = 2048 causal 0.275 -> 0.269.
+    """
+    base = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, elem_bytes)
+    if base + tile_m * head_dim * elem_bytes <= SMEM_CAPACITY_BYTES:
+        return False
+    return base + tile_m * min(head_dim, 128) * elem_bytes <= SMEM_CAPACITY_BYTES
+
+
 def check_fits_ws(head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2) -> None:
     """Raise ValueError naming the rule a ws-variant config breaks."""
     if tile_m not in WS_TILE_M:
@@ -189,10 +205,20 @@ def check_fits_ws(head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2) 
         )
 
 
-# The ws kernel's compile-time switches, by name: fields of WsChoice, KernelConfig and
-# kernels.KernelKey and keyword arguments of kernels.sm90_ws.WsFwdSm90, copied between them by
-# this list (a test checks that all four have every name, with the same defaults).
-WS_SWITCHES = ("num_stages", "intra_wg_overlap", "pingpong", "rescale_o_early", "pin_pv_wait", "cluster_m")
+# The ws kernel's compile-time switches, by name: fields of KernelConfig and kernels.KernelKey and
+# keyword arguments of kernels.sm90_ws.WsFwdSm90, copied between them by this list (a test checks
+# that all three have every name, with the same defaults). WsChoice (the table) sets all but those
+# in WS_DERIVED_SWITCHES, which follow from the tile (`select_config`).
+WS_SWITCHES = (
+    "num_stages",
+    "intra_wg_overlap",
+    "pingpong",
+    "rescale_o_early",
+    "pin_pv_wait",
+    "cluster_m",
+    "split_o",
+)
+WS_DERIVED_SWITCHES = ("split_o",)
 
 
 @dataclass(frozen=True)
@@ -239,6 +265,10 @@ WS_TILE_TABLE = {
 
 
 # ws tiles that beat the table's on short problems: (head dim, causal) -> (max seqlen_k, tile).
+# d = 256 at 128x64 stores O through per-warpgroup buffers (`ws_split_o`) since v6, which moved
+# its limits up: sustained, ms per call, 128x64 (split O) vs 128x80: N = 1024 non-causal bf16
+# 0.243 vs 0.248, N = 2048 causal fp16 0.269 vs 0.278; not at N = 2048 non-causal (0.458 vs
+# 0.460) or N = 4096 (0.870 vs 0.866, causal 0.478 vs 0.481): no gain worth a switch there.
 # d = 64 causal, N = 512 / 1024 (H200, `bench/results/2026-11-21-h200-v3/custom-…T0824.md`):
 # 128x128 224.6 / 296.8 TFLOP/s fp16 vs 199.1 / 267.8 for 192x128 (bf16 227.8 / 300.6 vs
 # 203.7 / 273.4): two query tiles per 256 rows instead of one and a half keep more SMs busy
@@ -248,8 +278,8 @@ WS_TILE_TABLE = {
 # non-causal 0.262 vs 0.259: 512 keys are 8 blocks of 64 but 7 of 80, the last one 40% empty.
 WS_SHORT_TILE = {
     (64, True): (1024, (128, 128)),
-    (256, False): (512, (128, 64)),
-    (256, True): (1024, (128, 64)),
+    (256, False): (1024, (128, 64)),
+    (256, True): (2048, (128, 64)),
 }
 
 
@@ -315,7 +345,8 @@ def select_config(
             tile_m=tile[0],
             tile_n=tile[1],
             num_threads=128 * (1 + tile[0] // 64),
-            **{name: getattr(choice, name) for name in WS_SWITCHES},
+            **{name: getattr(choice, name) for name in WS_SWITCHES if name not in WS_DERIVED_SWITCHES},
+            split_o=ws_split_o(head_dim, tile[0], tile[1], choice.num_stages),
         )
     if tile is None:
         tile = PAPER_TILE_TABLE[head_dim]

@@ -38,6 +38,7 @@ class KernelKey(NamedTuple):
     rescale_o_early: bool = False
     pin_pv_wait: int = 0
     cluster_m: int = 1
+    split_o: bool = False
 
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
@@ -53,6 +54,7 @@ class KernelKey(NamedTuple):
             slug += f"_s{self.num_stages}_{overlap}_{pingpong}" + ("_early" if self.rescale_o_early else "")
             slug += f"_pin{self.pin_pv_wait}" if self.pin_pv_wait else ""
             slug += f"_cl{self.cluster_m}" if self.cluster_m > 1 else ""
+            slug += "_splitO" if self.split_o else ""
         return slug
 
 

@@ -65,6 +65,7 @@ BARRIER_EPILOGUE = 1
 BARRIER_PINGPONG = 2  # + consumer warpgroup index: the barrier that warpgroup waits on for its turn
 BARRIER_TILE_FULL = 5  # the producer has written the next tile index
 BARRIER_TILE_EMPTY = 6  # every consumer thread has read it
+BARRIER_O_SLOT = 7  # + consumer warpgroup index: that warpgroup's O buffer is written / free (split_o)
 # (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 SMEM_LIMIT_BYTES = 227 * 1024  # dynamic shared memory per CTA on sm_90
@@ -87,6 +88,7 @@ class WsFwdSm90:
         rescale_o_early: bool = False,
         pin_pv_wait: int = 0,
         cluster_m: int = 1,
+        split_o: bool = False,
     ):
         assert head_dim in (64, 128, 256)
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
@@ -125,8 +127,20 @@ class WsFwdSm90:
         # O gets its own shared-memory buffer where it fits beside Q, K and V: the next tile's Q
         # then loads while this tile's epilogue runs. Otherwise O reuses Q's buffer and the next
         # Q waits until the TMA store has read it (K and V of the next tile still load early).
+        #
+        # split_o: each consumer warpgroup has a buffer of 64 rows x min(d, 128) columns and
+        # stores its O through it, in d / 128 passes at d = 256; Q's buffer is free once the tile's
+        # last GEMM-I completes, as with a separate buffer. At d = 256 this fits beside 128x64
+        # tiles, where a whole separate O does not.
         elems = (2 * tile_m + 2 * num_stages * tile_n) * head_dim
-        self.separate_o = elems * dtype.width // 8 + 1024 <= SMEM_LIMIT_BYTES
+        self.split_o = split_o
+        self.o_cols = min(head_dim, 128)
+        if split_o:
+            slots = self.num_mma_wg * 64 * self.o_cols
+            fits = (elems - tile_m * head_dim + slots) * dtype.width // 8 + 1024 <= SMEM_LIMIT_BYTES
+            assert fits, "split_o: the O buffers do not fit beside Q, K and V"
+        self.separate_o = not split_o and elems * dtype.width // 8 + 1024 <= SMEM_LIMIT_BYTES
+        self.early_q_release = self.separate_o or split_o
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -152,13 +166,14 @@ class WsFwdSm90:
         )
         return tiled_mma_qk, tiled_mma_pv
 
-    def _smem_layout(self, rows: int, stages: int | None = None):
+    def _smem_layout(self, rows: int, stages: int | None = None, cols: int | None = None):
+        cols = self.head_dim if cols is None else cols
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim), self.dtype
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
         )
         if stages is None:
-            return cute.tile_to_shape(atom, (rows, self.head_dim), order=(0, 1))
-        return cute.tile_to_shape(atom, (rows, self.head_dim, stages), order=(0, 1, 2))
+            return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
     @cute.jit
     def __call__(
@@ -206,9 +221,18 @@ class WsFwdSm90:
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             tma_op_kv, mV, sKV_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
         )
+        # O: the whole tile from Q's or its own buffer, or (split_o) 64 x o_cols from a warpgroup's.
+        sO_layout = sQ_layout
+        o_box = (self.tile_m, self.head_dim)
+        if const_expr(self.split_o):
+            sO_layout = self._smem_layout(64, self.num_mma_wg, self.o_cols)
+            o_box = (64, self.o_cols)
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), o_box
         )
+        o_elems = 8
+        if const_expr(self.separate_o or self.split_o):
+            o_elems = cute.cosize(sO_layout)
 
         @cute.struct
         class SharedStorage:
@@ -218,9 +242,7 @@ class WsFwdSm90:
             mbar_Q_empty: cute.struct.MemRange[cutlass.Int64, 1]
             tile_index: cute.struct.MemRange[Int32, 4]  # the tile the producer announces
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sO: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) if self.separate_o else 8], 1024
-            ]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
@@ -249,6 +271,7 @@ class WsFwdSm90:
             sQ_layout,
             sK_layout,
             sV_layout,
+            sO_layout,
             tiled_mma_qk,
             tiled_mma_pv,
             SharedStorage,
@@ -281,6 +304,7 @@ class WsFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -297,9 +321,11 @@ class WsFwdSm90:
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_Q, 1)
-                # Released once per consumer warp after its last GEMM-I (separate O buffer), or
+                # Released once per consumer warp after its last GEMM-I (O not in Q's buffer), or
                 # once, by the thread that waited for the O store to read Q's buffer.
-                cute.arch.mbarrier_init(mbar_Q_empty, self.num_mma_threads // 32 if self.separate_o else 1)
+                cute.arch.mbarrier_init(
+                    mbar_Q_empty, self.num_mma_threads // 32 if self.early_q_release else 1
+                )
         # Pipelines initialise their barriers from warp 0; "full" completes on one producer
         # arrive plus the TMA bytes (with multicast: both halves, one from each CTA), "empty" on
         # one arrive per consumer WARP of every CTA the stage is multicast to (lane r signals
@@ -338,8 +364,8 @@ class WsFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = sQ
-        if const_expr(self.separate_o):
-            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        if const_expr(self.separate_o or self.split_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         sched = (mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3], lpt_group)
         s_tile = storage.tile_index.get_tensor(cute.make_layout(1))
@@ -696,7 +722,7 @@ class WsFwdSm90:
                             n_masked_end - 1 - i, False, False, k_state, v_state, ctx
                         )
                     self.pingpong_pass(wg)
-            if const_expr(self.separate_o):
+            if const_expr(self.early_q_release):
                 # Every GEMM-I of this warp has completed: Q's buffer may take the next tile.
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive(mbar_Q_empty)
@@ -705,9 +731,13 @@ class WsFwdSm90:
                 thr_mma_pv, tidx, m_block, head, batch, seqlen_q,
             )  # fmt: skip
             tile = self.next_announced(s_tile)
+        # The threads that issued O stores stay until the last one has read sO.
         if const_expr(self.separate_o):
             if tidx // 32 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store has read sO
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(self.split_o):
+            if tidx % WARPGROUP < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def pingpong_wait(self, wg: Int32):
@@ -970,6 +1000,60 @@ class WsFwdSm90:
                 acc_O_mn[r, c] = acc_O_mn[r, c] * row_scale[r]
 
     @cute.jit
+    def store_o_split(
+        self,
+        rO: cute.Tensor,
+        sO: cute.Tensor,
+        tma_atom_O: cute.CopyAtom,
+        mO: cute.Tensor,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+    ):
+        """split_o: a warpgroup's 64 rows of O through its own buffer, o_cols columns per pass.
+
+        The first warp of the warpgroup issues each TMA store and, before the buffer is written
+        again (next pass or next tile), waits until that store has read it.
+        """
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        wtid = tidx % WARPGROUP
+        # The accumulator of one 64 x o_cols block, as a single-warpgroup GEMM would hold it.
+        slot_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.o_cols),
+        )  # fmt: skip
+        smem_copy_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+            ),
+            slot_mma,
+        ).get_slice(wtid)
+        sO_wg = sO[None, None, wg]
+        tOsO = smem_copy_O.partition_D(sO_wg)
+        gO = cute.local_tile(
+            mO[None, None, head, batch], (64, self.o_cols), (m_block * self.num_mma_wg + wg, None)
+        )
+        tOsO_tma, tOgO_tma = cpasync.tma_partition(
+            tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO_wg, 0, 2), cute.group_modes(gO, 0, 2)
+        )
+        # Pass h holds column groups [h * o_cols / 8, (h + 1) * o_cols / 8) of the accumulator.
+        groups = self.o_cols // 8
+        pass_layout = cute.make_layout(((2, 2, groups), 1, 1), stride=((1, 2, 4), 0, 0))
+        issuer = wtid < 32
+        for h in cutlass.range_constexpr(self.head_dim // self.o_cols):
+            if issuer:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=BARRIER_O_SLOT + wg, number_of_threads=WARPGROUP)
+            rO_h = cute.make_tensor(rO.iterator + h * 4 * groups, pass_layout)
+            cute.copy(smem_copy_O, smem_copy_O.retile(rO_h), tOsO)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BARRIER_O_SLOT + wg, number_of_threads=WARPGROUP)
+            if issuer:
+                cute.copy(tma_atom_O, tOsO_tma, tOgO_tma[None, h])
+                cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
     def epilogue(
         self,
         acc_O: cute.Tensor,
@@ -1019,6 +1103,9 @@ class WsFwdSm90:
         # only by its own GEMM-Is, all complete here, so it writes them without a barrier.
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
         convert(acc_O, rO)
+        if const_expr(self.split_o):
+            self.store_o_split(rO, sO, tma_atom_O, mO, tidx, m_block, head, batch)
+            return
         if const_expr(self.separate_o):
             if tidx // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
