@@ -169,6 +169,11 @@ def test_split_o_where_a_whole_o_buffer_does_not_fit():
     assert not select_config(256, "ws").split_o  # 128x80
     assert not select_config(128, "ws").split_o and not select_config(64, "ws").split_o
     assert not select_config(256, "paper").split_o
+    # The kernel takes its own buffer choice from the same rule.
+    from hopper_fmha.config import ws_o_buffer
+
+    assert ws_o_buffer(256, 128, 80, 2) == "q" and ws_o_buffer(256, 128, 64, 2) == "split"
+    assert ws_o_buffer(128, 128, 128, 2) == "own" and ws_o_buffer(64, 192, 128, 2) == "own"
     # What flash_attn_func resolves: no variant, no tile -> the paper kernel there (its 128x128
     # tile); ws asked for without a tile -> ws at 128x128; a tile asked for is kept.
     q = torch.zeros(1, 512, 2, 64, dtype=torch.float16)

@@ -162,19 +162,30 @@ def ws_smem_bytes(head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem
     return (tile_m + 2 * num_stages * tile_n) * head_dim * elem_bytes + 1024
 
 
-def ws_split_o(head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2) -> bool:
-    """Whether O leaves through a buffer per consumer warpgroup (64 rows x min(d, 128) columns):
-    where a whole separate O buffer does not fit beside Q, K and V but those do. Otherwise O has
-    its own buffer if it fits, else Q's, and then the next tile's Q waits for O's TMA store.
+def ws_o_buffer(head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2) -> str:
+    """Where the ws kernel's O goes out through shared memory (`kernels.sm90_ws.WsFwdSm90` decides
+    by this too): "own", a whole O buffer beside Q, K and V, so Q's buffer is free after the tile's
+    last GEMM-I; "split", where that does not fit but one of 64 rows x min(d, 128) columns per
+    consumer warpgroup does (the same for Q); "q", Q's buffer, and the next tile's Q waits for O's
+    TMA store to read it.
+    """
+    base = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, elem_bytes)
+    if base + tile_m * head_dim * elem_bytes <= SMEM_CAPACITY_BYTES:
+        return "own"
+    if base + tile_m * min(head_dim, 128) * elem_bytes <= SMEM_CAPACITY_BYTES:
+        return "split"
+    return "q"
+
+
+def ws_split_o(head_dim: int, tile_m: int, tile_n: int, num_stages: int) -> bool:
+    """The `split_o` switch `select_config` sets: O through per-warpgroup buffers exactly where a
+    whole O buffer does not fit and those do (`ws_o_buffer`).
 
     d = 256 at 128x64 (sustained at the 700 W cap, ms per call, 128x64 through Q's buffer ->
     per-warpgroup buffers; NOTES "ws v6"): N = 512 non-causal 0.150 -> 0.143, causal 0.114 ->
     0.108; N = 1024 causal 0.166 -> 0.160; N = 2048 causal 0.275 -> 0.269.
     """
-    base = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, elem_bytes)
-    if base + tile_m * head_dim * elem_bytes <= SMEM_CAPACITY_BYTES:
-        return False
-    return base + tile_m * min(head_dim, 128) * elem_bytes <= SMEM_CAPACITY_BYTES
+    return ws_o_buffer(head_dim, tile_m, tile_n, num_stages) == "split"
 
 
 def check_fits_ws(head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2) -> None:
@@ -265,17 +276,18 @@ WS_TILE_TABLE = {
 
 
 # ws tiles that beat the table's on short problems: (head dim, causal) -> (max seqlen_k, tile).
-# d = 256 at 128x64 stores O through per-warpgroup buffers (`ws_split_o`) since v6, which moved
-# its limits up: sustained, ms per call, 128x64 (split O) vs 128x80: N = 1024 non-causal bf16
-# 0.243 vs 0.248, N = 2048 causal fp16 0.269 vs 0.278; not at N = 2048 non-causal (0.458 vs
-# 0.460) or N = 4096 (0.870 vs 0.866, causal 0.478 vs 0.481): no gain worth a switch there.
 # d = 64 causal, N = 512 / 1024 (H200, `bench/results/2026-11-21-h200-v3/custom-…T0824.md`):
 # 128x128 224.6 / 296.8 TFLOP/s fp16 vs 199.1 / 267.8 for 192x128 (bf16 227.8 / 300.6 vs
 # 203.7 / 273.4): two query tiles per 256 rows instead of one and a half keep more SMs busy
 # (the paper kernel, the default there since v4, is faster still). d = 256, sustained at the
 # power cap (`…-v4/power-d256-short.txt`, fp16 ms per call, 128x64 vs 128x80): N = 512
 # non-causal 0.157 vs 0.161, causal 0.118 vs 0.124; N = 1024 causal 0.170 vs 0.174, but
-# non-causal 0.262 vs 0.259: 512 keys are 8 blocks of 64 but 7 of 80, the last one 40% empty.
+# non-causal 0.262 vs 0.259: 512 keys are 8 blocks of 64 but 7 of 80, the last one 40% empty (limits
+# then: 512 keys non-causal, 1024 causal).
+# d = 256 at 128x64 stores O through per-warpgroup buffers (`ws_split_o`) since v6, which moved
+# the limits up: sustained, ms per call, 128x64 (split O) vs 128x80: N = 1024 non-causal bf16
+# 0.243 vs 0.248, N = 2048 causal fp16 0.269 vs 0.278; not at N = 2048 non-causal (0.458 vs
+# 0.460) or N = 4096 (0.870 vs 0.866, causal 0.478 vs 0.481): no gain worth a switch there.
 WS_SHORT_TILE = {
     (64, True): (1024, (128, 128)),
     (256, False): (1024, (128, 64)),

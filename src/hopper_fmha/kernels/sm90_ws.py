@@ -57,6 +57,8 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from hopper_fmha.config import ws_o_buffer
+
 from .sm90_common import LN_2, LOG2_E, acc_mn_layout, acc_to_operand_a_layout, as_int32, convert, gemm
 
 WARPGROUP = 128
@@ -68,7 +70,6 @@ BARRIER_TILE_EMPTY = 6  # every consumer thread has read it
 BARRIER_O_SLOT = 7  # + consumer warpgroup index: that warpgroup's O buffer is written / free (split_o)
 # (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
-SMEM_LIMIT_BYTES = 227 * 1024  # dynamic shared memory per CTA on sm_90
 
 
 class WsFwdSm90:
@@ -132,14 +133,12 @@ class WsFwdSm90:
         # stores its O through it, in d / 128 passes at d = 256; Q's buffer is free once the tile's
         # last GEMM-I completes, as with a separate buffer. At d = 256 this fits beside 128x64
         # tiles, where a whole separate O does not.
-        elems = (2 * tile_m + 2 * num_stages * tile_n) * head_dim
+        # Which fit: `config.ws_o_buffer` ("own" fits "split" too).
+        fits = ws_o_buffer(head_dim, tile_m, tile_n, num_stages, dtype.width // 8)
+        assert not split_o or fits != "q", "split_o: the O buffers do not fit beside Q, K and V"
         self.split_o = split_o
         self.o_cols = min(head_dim, 128)
-        if split_o:
-            slots = self.num_mma_wg * 64 * self.o_cols
-            fits = (elems - tile_m * head_dim + slots) * dtype.width // 8 + 1024 <= SMEM_LIMIT_BYTES
-            assert fits, "split_o: the O buffers do not fit beside Q, K and V"
-        self.separate_o = not split_o and elems * dtype.width // 8 + 1024 <= SMEM_LIMIT_BYTES
+        self.separate_o = not split_o and fits == "own"
         self.early_q_release = self.separate_o or split_o
 
     # ---------------------------------------------------------------- host side
@@ -999,6 +998,13 @@ class WsFwdSm90:
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * row_scale[r]
 
+    def stmatrix_copy(self, tiled_mma: cute.TiledMma, thread: Int32):
+        """Thread `thread`'s slice of a registers -> smem stmatrix copy of `tiled_mma`'s accumulator."""
+        atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        return cute.make_tiled_copy_C(atom, tiled_mma).get_slice(thread)
+
     @cute.jit
     def store_o_split(
         self,
@@ -1023,12 +1029,7 @@ class WsFwdSm90:
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
             atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.o_cols),
         )  # fmt: skip
-        smem_copy_O = cute.make_tiled_copy_C(
-            cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
-            ),
-            slot_mma,
-        ).get_slice(wtid)
+        smem_copy_O = self.stmatrix_copy(slot_mma, wtid)
         sO_wg = sO[None, None, wg]
         tOsO = smem_copy_O.partition_D(sO_wg)
         gO = cute.local_tile(
@@ -1110,12 +1111,7 @@ class WsFwdSm90:
             if tidx // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
-        smem_copy_O = cute.make_tiled_copy_C(
-            cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
-            ),
-            tiled_mma_pv,
-        ).get_slice(tidx)
+        smem_copy_O = self.stmatrix_copy(tiled_mma_pv, tidx)
         cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
