@@ -217,7 +217,7 @@ def test_auto_variant_follows_the_measured_limits():
     # d = 128 causal up to 512), the ws kernel everywhere else.
     assert auto_variant(64, False, 1024) == "paper" and auto_variant(64, False, 1025) == "ws"
     assert auto_variant(64, True, 1024) == "paper" and auto_variant(64, True, 1025) == "ws"
-    assert auto_variant(128, True, 512) == "paper" and auto_variant(128, True, 513) == "ws"
+    assert auto_variant(128, True, 256) == "paper" and auto_variant(128, True, 257) == "ws"
     assert auto_variant(128, False, 512) == "ws"
     assert auto_variant(256, False, 512) == "ws" and auto_variant(256, True, 512) == "ws"
 

@@ -3,9 +3,9 @@
 Algorithm (the paper's Algorithm 2 with its COPY-GEMM overlap), per CTA = one tile of
 `tile_m` query rows of one (batch, head):
 
-    TMA Q, K_0 -> smem                                   (128B-swizzled, K-major, mbarriers)
+    TMA Q, K_0, V_0 -> smem                              (128B-swizzled, K-major, mbarriers)
     for j in key tiles (ascending; unmasked tiles first, then the masked ones):
-        TMA V_j -> smem                                  (overlaps GEMM-I and the softmax)
+        TMA V_j -> smem (j > 0)                          (overlaps GEMM-I and the softmax)
         S = Q K_j^T                                      SS-WGMMA, fp32 accumulators in registers
         TMA K_{j+1} -> smem                              (overlaps the softmax and GEMM-II)
         mask S (sequence tail, causal), online softmax   exp2 with log2(e)*scale folded in,
@@ -229,6 +229,10 @@ class PaperFwdSm90:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar_K, bytes_KV)
                 cute.copy(tma_atom_K, tKgK[None, 0], tKsK, tma_bar_ptr=mbar_K)
+                # V of the first block too: issued by `step`, it would wait for Q to land.
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_V, bytes_KV)
+                cute.copy(tma_atom_V, tVgV[None, 0], tVsV, tma_bar_ptr=mbar_V)
 
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
@@ -305,11 +309,13 @@ class PaperFwdSm90:
     ):
         """One iteration of the mainloop: the paper's COPY-GEMM overlap around both GEMMs."""
         phase = n_block % 2
-        # sV is free: every thread finished the previous GEMM-II before the last barrier.
+        # sV is free: every thread finished the previous GEMM-II before the last barrier (V of
+        # block 0 was loaded with Q).
         if is_tma_warp:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_V, bytes_KV)
-            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV, tma_bar_ptr=mbar_V)
+            if n_block > 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_V, bytes_KV)
+                cute.copy(tma_atom_V, tVgV[None, n_block], tVsV, tma_bar_ptr=mbar_V)
 
         # GEMM-I: S = Q K^T (SS-WGMMA).
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -342,12 +348,14 @@ class PaperFwdSm90:
                 m_scaled = Float32(0.0)
             rescale = cute.math.exp2(m_old * scale_log2 - m_scaled, fastmath=True)
             row_max[r] = m_new
-            row_sum_new = Float32(0.0)
+            # The chain starts from the rescaled old sum (not from 0.0: ptxas keeps an add of
+            # +0.0, which is not a no-op for -0.0).
+            row_sum_new = row_sum[r] * rescale
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - m_scaled, fastmath=True)
                 acc_S_mn[r, c] = p
                 row_sum_new += p
-            row_sum[r] = row_sum[r] * rescale + row_sum_new
+            row_sum[r] = row_sum_new
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * rescale
 
