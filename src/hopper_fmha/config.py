@@ -22,12 +22,12 @@ VARIANTS = ("paper", "ws")
 DEFAULT_VARIANT = "ws"  # with an explicit tile; without one, `auto_variant` picks per problem
 # Key lengths up to which the paper kernel (one warpgroup per CTA, several CTAs per SM) beats the
 # ws kernel (one persistent CTA per SM): measured on the sweep preset, fp16 and bf16, H200
-# (NOTES.md, "variant by problem", "ws v3", "ws v4"): at d = 64 up to 1024 keys, non-causal
-# (fp16 +11-21%; bf16 too since P is converted in pairs: 0.187 vs 0.205 ms at N = 512) and causal
-# (its 128x128 tile, 0.145 vs 0.155 ms at 512 keys, 0.226 vs 0.233 at 1024, sustained at the
-# power cap); at d = 128 causal up to 256 (N = 256: 0.084 vs 0.089 ms bf16; at N = 512, a tie in v3,
-# the ws kernel is now 1.2% faster: 0.1160 vs 0.1177 bf16, 0.1206 vs 0.1221 fp16, NOTES "ws v7");
-# never at d = 256 or d = 128 non-causal.
+# (NOTES.md, "variant by problem", "ws v3", "ws v4", "ws v7"): at d = 64 up to 1024 keys,
+# non-causal (fp16 +11-21%; bf16 too since P is converted in pairs: 0.187 vs 0.205 ms at N = 512)
+# and causal (its 128x128 tile, 0.145 vs 0.155 ms at 512 keys, 0.226 vs 0.233 at 1024, sustained
+# at the power cap); at d = 128 causal up to 256 keys (0.084 vs 0.089 ms bf16; at 512 the ws
+# kernel is faster, 0.1160 vs 0.1177 bf16, 0.1206 vs 0.1221 fp16); never at d = 256 or d = 128
+# non-causal.
 PAPER_MAX_SEQLEN_K = {64: 1024, 128: 0, 256: 0}
 PAPER_MAX_SEQLEN_K_CAUSAL = {64: 1024, 128: 256, 256: 0}
 

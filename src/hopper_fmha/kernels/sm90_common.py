@@ -101,3 +101,16 @@ def convert(src: cute.Tensor, dst: cute.Tensor):
     dst_words = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(dst_words)):
         dst_words[i] = pack_f32x2(src[2 * i], src[2 * i + 1], dst.element_type)
+
+
+def tma_load(atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, mbar: cute.Pointer, nbytes: int):
+    """A TMA load (whole warp) into `dst` whose bytes `mbar` expects (one elected thread arms it)."""
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
+    cute.copy(atom, src, dst, tma_bar_ptr=mbar)
+
+
+def stmatrix_copy(dtype, tiled_mma: cute.TiledMma, thread: Int32):
+    """Thread `thread`'s slice of a registers -> smem stmatrix copy of `tiled_mma`'s accumulator."""
+    atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    return cute.make_tiled_copy_C(atom, tiled_mma).get_slice(thread)

@@ -33,7 +33,16 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .sm90_common import LN_2, LOG2_E, acc_mn_layout, acc_to_operand_a_layout, convert, gemm
+from .sm90_common import (
+    LN_2,
+    LOG2_E,
+    acc_mn_layout,
+    acc_to_operand_a_layout,
+    convert,
+    gemm,
+    stmatrix_copy,
+    tma_load,
+)
 
 NUM_THREADS = 128
 # Named barrier 0 is __syncthreads; the main loop uses its own id.
@@ -222,17 +231,11 @@ class PaperFwdSm90:
         n_unmasked = cutlass.min(n_unmasked, n_max)
 
         if is_tma_warp:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_Q, bytes_Q)
-            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=mbar_Q)
+            tma_load(tma_atom_Q, tQgQ, tQsQ, mbar_Q, bytes_Q)
             if n_max > 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_K, bytes_KV)
-                cute.copy(tma_atom_K, tKgK[None, 0], tKsK, tma_bar_ptr=mbar_K)
+                tma_load(tma_atom_K, tKgK[None, 0], tKsK, mbar_K, bytes_KV)
                 # V of the first block too: issued by `step`, it would wait for Q to land.
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_V, bytes_KV)
-                cute.copy(tma_atom_V, tVgV[None, 0], tVsV, tma_bar_ptr=mbar_V)
+                tma_load(tma_atom_V, tVgV[None, 0], tVsV, mbar_V, bytes_KV)
 
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
@@ -313,9 +316,7 @@ class PaperFwdSm90:
         # block 0 was loaded with Q).
         if is_tma_warp:
             if n_block > 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_V, bytes_KV)
-                cute.copy(tma_atom_V, tVgV[None, n_block], tVsV, tma_bar_ptr=mbar_V)
+                tma_load(tma_atom_V, tVgV[None, n_block], tVsV, mbar_V, bytes_KV)
 
         # GEMM-I: S = Q K^T (SS-WGMMA).
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -326,9 +327,7 @@ class PaperFwdSm90:
         cute.arch.barrier(barrier_id=BARRIER_MAINLOOP, number_of_threads=NUM_THREADS)
         if is_tma_warp:
             if n_block + 1 < n_max:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_K, bytes_KV)
-                cute.copy(tma_atom_K, tKgK[None, n_block + 1], tKsK, tma_bar_ptr=mbar_K)
+                tma_load(tma_atom_K, tKgK[None, n_block + 1], tKsK, mbar_K, bytes_KV)
 
         # Online softmax on S, in registers.
         acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
@@ -442,12 +441,7 @@ class PaperFwdSm90:
         # O: registers -> smem (stmatrix, into Q's buffer, free since the last GEMM-I) -> TMA store.
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
         convert(acc_O, rO)
-        smem_copy_O = cute.make_tiled_copy_C(
-            cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
-            ),
-            tiled_mma_pv,
-        ).get_slice(tidx)
+        smem_copy_O = stmatrix_copy(self.dtype, tiled_mma_pv, tidx)
         cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BARRIER_MAINLOOP, number_of_threads=NUM_THREADS)

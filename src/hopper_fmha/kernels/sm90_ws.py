@@ -59,7 +59,17 @@ from cutlass.tensor_utils import LayoutEnum
 
 from hopper_fmha.config import ws_o_buffer
 
-from .sm90_common import LN_2, LOG2_E, acc_mn_layout, acc_to_operand_a_layout, as_int32, convert, gemm
+from .sm90_common import (
+    LN_2,
+    LOG2_E,
+    acc_mn_layout,
+    acc_to_operand_a_layout,
+    as_int32,
+    convert,
+    gemm,
+    stmatrix_copy,
+    tma_load,
+)
 
 WARPGROUP = 128
 # Named barrier ids (0 is __syncthreads).
@@ -520,9 +530,7 @@ class WsFwdSm90:
             # Q is loaded for every tile (also one whose rows see no key) so that both sides
             # count Q's phases alike.
             cute.arch.mbarrier_wait(mbar_Q_empty, q_phase ^ 1)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_Q, cute.size_in_bytes(self.dtype, sQ.layout))
-            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=mbar_Q)
+            tma_load(tma_atom_Q, tQgQ, tQsQ, mbar_Q, cute.size_in_bytes(self.dtype, sQ.layout))
             q_phase = q_phase ^ 1
             if n_max > 0:
                 if const_expr(self.intra_wg_overlap):
@@ -998,13 +1006,6 @@ class WsFwdSm90:
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * row_scale[r]
 
-    def stmatrix_copy(self, tiled_mma: cute.TiledMma, thread: Int32):
-        """Thread `thread`'s slice of a registers -> smem stmatrix copy of `tiled_mma`'s accumulator."""
-        atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
-        )
-        return cute.make_tiled_copy_C(atom, tiled_mma).get_slice(thread)
-
     @cute.jit
     def store_o_split(
         self,
@@ -1029,7 +1030,7 @@ class WsFwdSm90:
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
             atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.o_cols),
         )  # fmt: skip
-        smem_copy_O = self.stmatrix_copy(slot_mma, wtid)
+        smem_copy_O = stmatrix_copy(self.dtype, slot_mma, wtid)
         sO_wg = sO[None, None, wg]
         tOsO = smem_copy_O.partition_D(sO_wg)
         gO = cute.local_tile(
@@ -1111,7 +1112,7 @@ class WsFwdSm90:
             if tidx // 32 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
-        smem_copy_O = self.stmatrix_copy(tiled_mma_pv, tidx)
+        smem_copy_O = stmatrix_copy(self.dtype, tiled_mma_pv, tidx)
         cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
