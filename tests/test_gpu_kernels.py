@@ -231,6 +231,54 @@ def test_ws_split_o(hopper_gpu, monkeypatch, dtype, ws, causal, schedule, seqlen
     assert_close_to_reference(q, k, v, scale, causal, out, lse)
 
 
+def max_jumps(q, k, scale, causal, tile_n, threshold=8.0):
+    """Rows whose running max, over key blocks in the ws kernel's order (last block first), grows
+    by more than `threshold` log2 units at some block after the first block with a visible key."""
+    group = q.shape[2] // k.shape[2]
+    kk = k.repeat_interleave(group, dim=2).float()
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * (scale * math.log2(math.e))
+    sq, sk = q.shape[1], k.shape[1]
+    if causal:
+        hidden = (
+            torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
+        )
+        s = s.masked_fill(hidden, -math.inf)
+    running = torch.full(s.shape[:-1], -math.inf, device=q.device)
+    jumped = torch.zeros(s.shape[:-1], dtype=torch.bool, device=q.device)
+    for n in reversed(range(0, sk, tile_n)):
+        new = torch.maximum(running, s[..., n : n + tile_n].amax(dim=-1))
+        jumped |= torch.isfinite(running) & (new - running > threshold)
+        running = new
+    return int(jumped.sum())
+
+
+# The ws kernel rescales lazily: its softmax max moves only when some row of a warp has grown
+# past it by more than 8 log2 units. With randn inputs at the default scale that does not happen
+# after the first block, so the matrices above run only the path that skips the rescale. Here the
+# max does jump: "sharp" scores (8x the default scale) and "ramp" keys, whose norm grows toward
+# block 0 (visited last), so maxima climb block after block by less and by more than the threshold.
+@pytest.mark.parametrize("pattern", ["sharp", "ramp"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_ws_lazy_rescale(hopper_gpu, dtype, d, causal, pattern):
+    import hopper_fmha
+
+    q, k, v = make_inputs(2, 1000, 1536, 4, 2, d, dtype, seed=hash(("lazy", d, causal, pattern)) % 2**31)
+    scale = config.default_softmax_scale(d)
+    if pattern == "sharp":
+        scale *= 8
+    else:
+        ramp = torch.linspace(16.0, 1.0, k.shape[1], device="cuda")
+        k = (k.float() * ramp[None, :, None, None]).to(dtype)
+    out, lse = hopper_fmha.flash_attn_func(
+        q, k, v, softmax_scale=scale, causal=causal, return_lse=True, variant="ws"
+    )
+    tile_n = config.select_config(d, "ws", config.auto_ws_tile(d, causal, k.shape[1])).tile_n
+    assert max_jumps(q, k, scale, causal, tile_n) > 0, "the inputs do not exercise the rescale"
+    assert_close_to_reference(q, k, v, scale, causal, out, lse)
+
+
 @pytest.mark.parametrize("variant", ["paper", "ws"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_public_api_runs_the_kernel(hopper_gpu, variant, causal):

@@ -80,6 +80,8 @@ BARRIER_TILE_EMPTY = 6  # every consumer thread has read it
 BARRIER_O_SLOT = 7  # + consumer warpgroup index: that warpgroup's O buffer is written / free (split_o)
 # (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+# Lazy rescaling: the softmax max moves only when a row's max grows by more than this (log2 units).
+RESCALE_THRESHOLD = 8.0
 
 
 class WsFwdSm90:
@@ -116,6 +118,7 @@ class WsFwdSm90:
         # instead of after GEMM-II completes, where it delays the next GEMMs (overlapped loop
         # only). FlashAttention-4 does so above d = 128, where O is the largest.
         self.rescale_o_early = rescale_o_early and intra_wg_overlap
+        self.lazy_rescale = True
         # n > 0: in the overlapped loop, wait for GEMM-II after the softmax's first n
         # exponentials. Left to itself, ptxas (CUDA 13) hoists that wait above all of them, to
         # just after the row maxima, so no exponential runs beside GEMM-II; a branch on the n-th
@@ -794,7 +797,7 @@ class WsFwdSm90:
             c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1
         )
         if const_expr(self.rescale_o_early):
-            self.rescale_O(c.acc_O, c.o_scale)  # while GEMM-I runs
+            self.rescale_O_pending(c.acc_O, c.o_scale)  # while GEMM-I runs
         c.pipeline_v.consumer_wait(v_state)
         gemm(
             c.tiled_mma_pv,
@@ -810,7 +813,9 @@ class WsFwdSm90:
         k_state.advance()
         if const_expr(masked):
             self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
-        row_scale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, False, self.pin_pv_wait)
+        row_scale, rescale = self.online_softmax(
+            acc_S, c.row_max, c.row_sum, c.scale_log2, False, self.pin_pv_wait
+        )
         if const_expr(self.pin_pv_wait == 0):
             warpgroup.wait_group(0)  # GEMM-II done: P's registers and sV_{n+1} are free
         c.pipeline_v.consumer_release(v_state)
@@ -819,7 +824,7 @@ class WsFwdSm90:
         if const_expr(self.rescale_o_early):
             c.o_scale.store(row_scale.load())
         else:
-            self.rescale_O(c.acc_O, row_scale)
+            self.rescale_O(c.acc_O, row_scale, rescale)
         return k_state, v_state
 
     @cute.jit
@@ -830,7 +835,7 @@ class WsFwdSm90:
     ):
         """Overlapped loop, second half: O += P V_0."""
         if const_expr(self.rescale_o_early):
-            self.rescale_O(c.acc_O, c.o_scale)
+            self.rescale_O_pending(c.acc_O, c.o_scale)
         return self.pv_waited(v_state, False, c)
 
     @cute.jit
@@ -896,10 +901,10 @@ class WsFwdSm90:
         acc_S, k_state = self.qk_waited(k_state, is_first, c)
         if const_expr(masked):
             self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
-        row_scale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, is_first)
+        row_scale, rescale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, is_first)
         convert(acc_S, c.tOrP_acc)
         if const_expr(not is_first):
-            self.rescale_O(c.acc_O, row_scale)
+            self.rescale_O(c.acc_O, row_scale, rescale)
         v_state = self.pv_waited(v_state, True, c)
         return k_state, v_state
 
@@ -934,19 +939,25 @@ class WsFwdSm90:
         scale_log2: Float32,
         is_first: cutlass.Constexpr[bool],
         wait_pv_after: cutlass.Constexpr[int] = 0,
-    ) -> cute.Tensor:
-        """S -> exp2(S*scale - max*scale) in place; updates the row stats; returns O's row rescale.
+    ):
+        """S -> exp2(S*scale - max*scale) in place; updates the row stats; returns O's row rescale
+        and whether any row of this warp has one (None: not known, rescale).
 
         Row maxima first, then S*scale - max for every element, then the exponentials, then the
         sums. row_sum stays a per-thread partial sum (the quad reduction happens once, in the
         epilogue). wait_pv_after > 0: wait for GEMM-II after that many exponentials
-        (`pinned_pv_wait`).
+        (`pinned_pv_wait`). Lazy rescaling: `row_max` is the maximum the exponentials are taken
+        against, moved up only when some row of the warp has grown past it by more than
+        RESCALE_THRESHOLD (log2 units), so P stays below 2^RESCALE_THRESHOLD and most blocks
+        rescale nothing.
         """
         acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         rows = cute.size(row_max)
         cols = cute.size(acc_S_mn, mode=[1])
         row_scale = cute.make_rmem_tensor(row_max.layout, Float32)
         max_scaled = cute.make_rmem_tensor(row_max.layout, Float32)
+        lazy = const_expr(self.lazy_rescale and not is_first)
+        m_seen = cute.make_rmem_tensor(row_max.layout, Float32)
         for r in cutlass.range_constexpr(rows):
             # Four independent max chains for ILP, then the quad (4 lanes own a row) reduction.
             part = [acc_S_mn[r, 0], acc_S_mn[r, 1], acc_S_mn[r, 2], acc_S_mn[r, 3]]
@@ -957,16 +968,36 @@ class WsFwdSm90:
                 m_new = cute.arch.fmax(m_new, row_max[r])
             m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
             m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
-            # A row that has seen no key yet keeps max -inf; exponentiate against 0 instead.
-            m_scaled = m_new * scale_log2
-            if m_new == -Float32.inf:
-                m_scaled = Float32(0.0)
-            max_scaled[r] = m_scaled
-            if const_expr(is_first):
-                row_scale[r] = Float32(1.0)
+            if const_expr(lazy):
+                m_seen[r] = m_new
             else:
-                row_scale[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
-            row_max[r] = m_new
+                # A row that has seen no key yet keeps max -inf; exponentiate against 0 instead.
+                m_scaled = m_new * scale_log2
+                if m_new == -Float32.inf:
+                    m_scaled = Float32(0.0)
+                max_scaled[r] = m_scaled
+                if const_expr(is_first):
+                    row_scale[r] = Float32(1.0)
+                else:
+                    row_scale[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
+                row_max[r] = m_new
+        rescale = None
+        if const_expr(lazy):
+            # Growth of the max, the largest over this thread's rows (-inf - -inf is NaN, which
+            # fmax drops: a row with no key yet needs nothing; -inf -> finite is +inf: rescale).
+            grow = m_seen[0] - row_max[0]
+            for r in cutlass.range_constexpr(1, rows):
+                grow = cute.arch.fmax(grow, m_seen[r] - row_max[r])
+            rescale = cute.arch.vote_any_sync(grow * scale_log2 > RESCALE_THRESHOLD)
+            row_scale.fill(1.0)
+            if rescale:
+                for r in cutlass.range_constexpr(rows):
+                    row_scale[r] = cute.math.exp2(
+                        row_max[r] * scale_log2 - self.exp_base(m_seen[r], scale_log2), fastmath=True
+                    )
+                    row_max[r] = m_seen[r]
+            for r in cutlass.range_constexpr(rows):
+                max_scaled[r] = self.exp_base(row_max[r], scale_log2)
         for r in cutlass.range_constexpr(rows):
             for c in cutlass.range_constexpr(cols):
                 acc_S_mn[r, c] = acc_S_mn[r, c] * scale_log2 - max_scaled[r]
@@ -983,7 +1014,15 @@ class WsFwdSm90:
                 row_sum[r] = block_sum
             else:
                 row_sum[r] = row_sum[r] * row_scale[r] + block_sum
-        return row_scale
+        return row_scale, rescale
+
+    @cute.jit
+    def exp_base(self, m: Float32, scale_log2: Float32) -> Float32:
+        """m * scale_log2, or 0 for a row that has seen no key yet (max -inf)."""
+        m_scaled = m * scale_log2
+        if m == -Float32.inf:
+            m_scaled = Float32(0.0)
+        return m_scaled
 
     @cute.jit
     def pinned_pv_wait(self, p: Float32):
@@ -1000,7 +1039,28 @@ class WsFwdSm90:
             warpgroup.wait_group(0)
 
     @cute.jit
-    def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+    def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor, rescale=None):
+        """O *= row_scale by rows; with `rescale` (warp-uniform), only if it is true."""
+        if const_expr(rescale is None):
+            self.rescale_O_rows(acc_O, row_scale)
+        else:
+            if rescale:
+                self.rescale_O_rows(acc_O, row_scale)
+
+    @cute.jit
+    def rescale_O_pending(self, acc_O: cute.Tensor, o_scale: cute.Tensor):
+        """The factor a softmax left for later (rescale_o_early): all 1.0 when lazy rescaling
+        skipped it, else below 2^-RESCALE_THRESHOLD on some row of the warp."""
+        rescale = None
+        if const_expr(self.lazy_rescale):
+            smallest = o_scale[0]
+            for r in cutlass.range_constexpr(1, cute.size(o_scale)):
+                smallest = cute.arch.fmin(smallest, o_scale[r])
+            rescale = cute.arch.vote_any_sync(smallest < Float32(1.0))
+        self.rescale_O(acc_O, o_scale, rescale)
+
+    @cute.jit
+    def rescale_O_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
         acc_O_mn = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
         for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
