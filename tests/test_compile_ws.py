@@ -11,14 +11,16 @@ import functools
 import re
 import tempfile
 import time
-from dataclasses import astuple, replace
+from dataclasses import replace
 
 import pytest
 
 from hopper_fmha.config import (
     SUPPORTED_HEAD_DIMS,
     WS_CAUSAL_SWITCHES,
+    WS_DERIVED_SWITCHES,
     WS_SHORT_TILE,
+    WS_SWITCHES,
     WS_TILE_TABLE,
     check_fits_ws,
     launch_config,
@@ -100,7 +102,8 @@ def test_shipped_ws_config(key, record_property):
 def test_ws_register_model_agrees_with_ptxas(head_dim, tile, record_property):
     choice = WS_TILE_TABLE[head_dim]
     choice = replace(choice, cluster_m=1, **WS_CAUSAL_SWITCHES.get(head_dim, {}))  # as launched causal
-    row = inspected(KernelKey("float16", head_dim, *tile, True, "ws", *astuple(choice)[1:]))
+    switches = {name: getattr(choice, name) for name in WS_SWITCHES if name not in WS_DERIVED_SWITCHES}
+    row = inspected(KernelKey("float16", head_dim, *tile, True, "ws", **switches))
     record_property("kernel_resources", row)
     try:
         check_fits_ws(head_dim, *tile)

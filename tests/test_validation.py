@@ -203,9 +203,11 @@ def test_cta_pairs_only_where_they_apply():
         assert launch_config(cfg, False, even + 1) == dataclasses.replace(cfg, cluster_m=1)
         causal_switches = config.WS_CAUSAL_SWITCHES.get(d, {})
         assert launch_config(cfg, True, even) == dataclasses.replace(cfg, cluster_m=1, **causal_switches)
-    # d = 64 pins GEMM-II's wait non-causal only.
-    assert launch_config(select_config(64, "ws"), False, 4096).pin_pv_wait == 12
+    # d = 64 pins GEMM-II's wait and sums rows on the tensor cores non-causal only.
+    assert launch_config(select_config(64, "ws"), False, 4096).pin_pv_wait == 8
     assert launch_config(select_config(64, "ws"), True, 4096).pin_pv_wait == 0
+    assert launch_config(select_config(64, "ws"), False, 2048).mma_rowsum
+    assert not launch_config(select_config(64, "ws"), True, 4096).mma_rowsum
     # d = 64 tiles are 192 rows: 2048 queries make 11 of them, 4096 make 22.
     assert launch_config(select_config(64, "ws"), False, 2048).cluster_m == 1
     assert launch_config(select_config(64, "ws"), False, 4096).cluster_m == 2

@@ -82,6 +82,7 @@ class KernelConfig:
     pin_pv_wait: int = 0
     cluster_m: int = 1
     split_o: bool = False
+    mma_rowsum: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -230,6 +231,7 @@ WS_SWITCHES = (
     "pin_pv_wait",
     "cluster_m",
     "split_o",
+    "mma_rowsum",
 )
 WS_DERIVED_SWITCHES = ("split_o",)
 
@@ -245,6 +247,8 @@ class WsChoice:
     pin_pv_wait: int = 0
     # 2: CTA pairs share K/V blocks by TMA multicast (non-causal; see WsFwdSm90).
     cluster_m: int = 1
+    # Row sums of P by the tensor cores (a 64x8 GEMM against ones beside GEMM-II; see WsFwdSm90).
+    mma_rowsum: bool = False
 
 
 # The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and
@@ -255,10 +259,20 @@ class WsChoice:
 # cycles per call, a higher clock: half the L2 reads of K and V cost less energy.
 WS_TILE_TABLE = {
     # 3 consumer warpgroups: each K/V tile serves 192 query rows (FA3/FA4's d64 choice); 128x128
-    # measured 386 vs 534 TFLOP/s. GEMM-II's wait pinned after 12 exponentials: 1% less time
-    # per call non-causal (sustained, NOTES "ws v5"; 4, 8, 10 and 14 gained less), 1% more
-    # causal, so causal launches unpin it (WS_CAUSAL_SWITCHES).
-    64: WsChoice((192, 128), num_stages=2, intra_wg_overlap=True, pingpong=True, pin_pv_wait=12, cluster_m=2),
+    # measured 386 vs 534 TFLOP/s. Row sums by the tensor cores and GEMM-II's wait pinned after 8
+    # exponentials: sustained, bf16 non-causal, ms per call against the v7 kernel with lazy
+    # rescaling (pin 12, adds in the softmax): N = 2048 0.585 vs 0.592, 4096 1.093 vs 1.114,
+    # 8192 2.046 vs 2.099, 16384 4.035 vs 4.119 (NOTES "ws v8"). Causal launches take neither
+    # (WS_CAUSAL_SWITCHES): with the sums 2.5% more cycles at N = 4096, and pin 0 there.
+    64: WsChoice(
+        (192, 128),
+        num_stages=2,
+        intra_wg_overlap=True,
+        pingpong=True,
+        pin_pv_wait=8,
+        cluster_m=2,
+        mma_rowsum=True,
+    ),
     # FA4's tile (FA3's 128x176 non-causal measured 607 vs 676). GEMM-II's wait pinned after 24
     # exponentials: sustained at the 700 W cap (1 s of graph replays, B4 N4096 H16 non-causal),
     # 0.915 ms fp16 / 0.880 ms bf16 against 0.956 / 0.920 after 16 and 0.962 / 0.920 unpinned
@@ -322,7 +336,7 @@ def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int) -> KernelConfi
 # Switches a causal launch sets differently from the table, by head dim.
 # d = 64: GEMM-II's wait pinned after 12 exponentials pays non-causal (sustained, N = 4096:
 # 1.148-1.159 vs 1.158-1.171 ms fp16, 1.126 vs 1.138 bf16) but not causal (0.668 vs 0.661).
-WS_CAUSAL_SWITCHES = {64: {"pin_pv_wait": 0}}
+WS_CAUSAL_SWITCHES = {64: {"pin_pv_wait": 0, "mma_rowsum": False}}
 
 
 @lru_cache(maxsize=64)

@@ -39,6 +39,7 @@ class KernelKey(NamedTuple):
     pin_pv_wait: int = 0
     cluster_m: int = 1
     split_o: bool = False
+    mma_rowsum: bool = False
 
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
@@ -55,6 +56,7 @@ class KernelKey(NamedTuple):
             slug += f"_pin{self.pin_pv_wait}" if self.pin_pv_wait else ""
             slug += f"_cl{self.cluster_m}" if self.cluster_m > 1 else ""
             slug += "_splitO" if self.split_o else ""
+            slug += "_msum" if self.mma_rowsum else ""
         return slug
 
 

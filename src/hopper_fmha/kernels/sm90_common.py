@@ -23,11 +23,15 @@ def acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
     and column pairs spaced 8 apart (modes 0[0] and 0[2]).
     """
     flat = cute.make_layout(acc_layout.shape)
-    shape = ((flat.shape[0][1], flat.shape[1]), (flat.shape[0][0], flat.shape[0][2], flat.shape[2]))
-    stride = (
-        (flat.stride[0][1], flat.stride[1]),
-        (flat.stride[0][0], flat.stride[0][2], flat.stride[2]),
-    )
+    if const_expr(len(flat.shape[0]) == 2):  # N = 8: one column pair, ((2,2),MMA_M,MMA_N)
+        shape = ((flat.shape[0][1], flat.shape[1]), (flat.shape[0][0], flat.shape[2]))
+        stride = ((flat.stride[0][1], flat.stride[1]), (flat.stride[0][0], flat.stride[2]))
+    else:
+        shape = ((flat.shape[0][1], flat.shape[1]), (flat.shape[0][0], flat.shape[0][2], flat.shape[2]))
+        stride = (
+            (flat.stride[0][1], flat.stride[1]),
+            (flat.stride[0][0], flat.stride[0][2], flat.stride[2]),
+        )
     return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
 
 
@@ -55,8 +59,13 @@ def gemm(
     tCrB: cute.Tensor,
     zero_init: cutlass.Constexpr[bool],
     wg_wait: cutlass.Constexpr[int] = 0,
+    then=None,
 ):
-    """Issue one warpgroup GEMM over all K blocks as one commit group; wait_group(wg_wait) if >= 0."""
+    """Issue one warpgroup GEMM over all K blocks as one commit group; wait_group(wg_wait) if >= 0.
+
+    then: (tiled_mma, acc, A, B) of a second GEMM issued after the first in the same commit
+    group, accumulating into its acc.
+    """
     warpgroup.fence()
     # A fresh atom per call: ACCUMULATE is mutated below, which must not leak across loop regions.
     mma_atom = cute.make_mma_atom(tiled_mma.op)
@@ -64,6 +73,12 @@ def gemm(
     for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
         cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+    if const_expr(then is not None):
+        then_mma, then_acc, then_A, then_B = then
+        then_atom = cute.make_mma_atom(then_mma.op)
+        then_atom.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(then_A.shape[2])):
+            cute.gemm(then_atom, then_acc, then_A[None, None, k], then_B[None, None, k], then_acc)
     warpgroup.commit_group()
     if const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)

@@ -27,6 +27,10 @@ Pingpong (`pingpong=True`): the consumer warpgroups pass a token around a ring o
 barriers and issue their GEMMs only while holding it, so one warpgroup's softmax runs while
 the other's GEMMs occupy the tensor cores (FlashAttention-3's warp scheduler barriers).
 `rescale_o_early` (d = 256) rescales O while GEMM-I runs instead of after GEMM-II.
+Lazy rescaling: the max the exponentials are taken against moves only when some row of a warp
+has grown past it by more than RESCALE_THRESHOLD (8, log2 units; P stays below 256), so after the
+first blocks O's rescale is mostly a skipped branch. `mma_rowsum` (d = 64 non-causal): P's row
+sums come from a 64x8 GEMM of P against ones, issued with GEMM-II, instead of adds in the softmax.
 `intra_wg_overlap=False` gives the plain loop (GEMM-I, softmax, GEMM-II, each waited).
 
 Register split (setmaxnreg; needs `min_blocks_per_mp=1` at launch or ptxas ignores it):
@@ -57,7 +61,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from hopper_fmha.config import ws_o_buffer
+from hopper_fmha.config import SMEM_CAPACITY_BYTES, ws_o_buffer, ws_smem_bytes
 
 from .sm90_common import (
     LN_2,
@@ -80,6 +84,8 @@ BARRIER_TILE_EMPTY = 6  # every consumer thread has read it
 BARRIER_O_SLOT = 7  # + consumer warpgroup index: that warpgroup's O buffer is written / free (split_o)
 # (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+# mma_rowsum: the N of the GEMM that sums P's rows (WGMMA's smallest).
+ROWSUM_COLS = 8
 # Lazy rescaling: the softmax max moves only when a row's max grows by more than this (log2 units).
 RESCALE_THRESHOLD = 8.0
 
@@ -102,6 +108,7 @@ class WsFwdSm90:
         pin_pv_wait: int = 0,
         cluster_m: int = 1,
         split_o: bool = False,
+        mma_rowsum: bool = False,
     ):
         assert head_dim in (64, 128, 256)
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
@@ -150,9 +157,20 @@ class WsFwdSm90:
         fits = ws_o_buffer(head_dim, tile_m, tile_n, num_stages, dtype.width // 8)
         assert not split_o or fits != "q", "split_o: the O buffers do not fit beside Q, K and V"
         self.split_o = split_o
+        # mma_rowsum: the row sums of P come from the tensor cores, a 64x8 GEMM of P against a
+        # block of ones in shared memory issued with GEMM-II (every column of the result holds
+        # the row's sum), instead of tile_n / 2 adds per thread and block in the softmax.
+        self.mma_rowsum = mma_rowsum
         self.o_cols = min(head_dim, 128)
         self.separate_o = not split_o and fits == "own"
         self.early_q_release = self.separate_o or split_o
+        elem = dtype.width // 8
+        o_bytes = tile_m * (head_dim if self.separate_o else self.o_cols if split_o else 0) * elem
+        ones_bytes = ROWSUM_COLS * tile_n * elem + 1024  # with 1 KiB alignment
+        assert not mma_rowsum or (
+            ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, elem) + o_bytes + ones_bytes
+            <= SMEM_CAPACITY_BYTES
+        ), "mma_rowsum: the block of ones does not fit in shared memory"
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -176,7 +194,17 @@ class WsFwdSm90:
             tiler_mn=(64, self.head_dim),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        return tiled_mma_qk, tiled_mma_pv
+        tiled_mma_sum = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1),
+            tiler_mn=(64, ROWSUM_COLS),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        return tiled_mma_qk, tiled_mma_pv, tiled_mma_sum
 
     def _smem_layout(self, rows: int, stages: int | None = None, cols: int | None = None):
         cols = self.head_dim if cols is None else cols
@@ -216,7 +244,10 @@ class WsFwdSm90:
         ]
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
 
-        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        tiled_mma_qk, tiled_mma_pv, tiled_mma_sum = self._tiled_mmas()
+        # Ones (ROWSUM_COLS x tile_n, K-major), GEMM-II's partner's B operand (mma_rowsum).
+        sOnes_layout = self._smem_layout(ROWSUM_COLS, cols=self.tile_n)
+        ones_elems = cute.cosize(sOnes_layout) if const_expr(self.mma_rowsum) else 8
         sQ_layout = self._smem_layout(self.tile_m)
         sK_layout = self._smem_layout(self.tile_n, self.num_stages)
         sV_layout = self._smem_layout(self.tile_n, self.num_stages)
@@ -255,6 +286,7 @@ class WsFwdSm90:
             tile_index: cute.struct.MemRange[Int32, 4]  # the tile the producer announces
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
+            sOnes: cute.struct.Align[cute.struct.MemRange[self.dtype, ones_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
@@ -286,6 +318,8 @@ class WsFwdSm90:
             sO_layout,
             tiled_mma_qk,
             tiled_mma_pv,
+            tiled_mma_sum,
+            sOnes_layout,
             SharedStorage,
         ).launch(
             grid=grid,
@@ -319,6 +353,8 @@ class WsFwdSm90:
         sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
+        tiled_mma_sum: cute.TiledMma,
+        sOnes_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -369,6 +405,17 @@ class WsFwdSm90:
             defer_sync=True,
         )
         cluster_shape_mn = (self.cluster_m, 1) if const_expr(self.cluster_m > 1) else None
+        sOnes = None
+        if const_expr(self.mma_rowsum):
+            # Every element is 1, so the swizzle does not matter for the fill: write it flat.
+            flat = storage.sOnes.get_tensor(cute.make_layout(cute.cosize(sOnes_layout)))
+            tid = cute.arch.thread_idx()[0]
+            for j in cutlass.range_constexpr(cute.ceil_div(cute.cosize(sOnes_layout), self.num_threads)):
+                if tid + j * self.num_threads < cute.cosize(sOnes_layout):
+                    flat[tid + j * self.num_threads] = self.dtype(1.0)
+            cute.arch.fence_view_async_shared()  # visible to the tensor cores' reads
+            cute.arch.sync_threads()
+            sOnes = storage.sOnes.get_tensor(sOnes_layout.outer, swizzle=sOnes_layout.inner)
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_shape_mn)
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_shape_mn)
 
@@ -393,8 +440,8 @@ class WsFwdSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
             self.consumer(
-                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, mbar_Q, mbar_Q_empty, pipeline_k, pipeline_v,
-                tma_atom_O, mO, mLSE, scale_log2, tidx, sched, s_tile,
+                tiled_mma_qk, tiled_mma_pv, tiled_mma_sum, sQ, sK, sV, sO, sOnes, mbar_Q, mbar_Q_empty,
+                pipeline_k, pipeline_v, tma_atom_O, mO, mLSE, scale_log2, tidx, sched, s_tile,
             )  # fmt: skip
 
     @cute.jit
@@ -628,10 +675,12 @@ class WsFwdSm90:
         self,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
+        tiled_mma_sum: cute.TiledMma,
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
         sO: cute.Tensor,
+        sOnes,
         mbar_Q: cute.Pointer,
         mbar_Q_empty: cute.Pointer,
         pipeline_k: pipeline.PipelineAsync,
@@ -663,6 +712,14 @@ class WsFwdSm90:
         tOrP_acc = cute.make_rmem_tensor(acc_shape_S, self.dtype)
         tOrP = cute.make_tensor(tOrP_acc.iterator, acc_to_operand_a_layout(tOrP_acc.layout))
         rows_per_thread = cute.size(acc_mn_layout(acc_O.layout), mode=[0])
+        # mma_rowsum: P's row sums, accumulated by the tensor cores like O (column 0 is read).
+        acc_sum = None
+        tOrOnes = None
+        if const_expr(self.mma_rowsum):
+            wg_mma_sum = tiled_mma_sum.get_slice(wg * WARPGROUP)
+            tOrOnes = wg_mma_sum.make_fragment_B(wg_mma_sum.partition_B(sOnes))
+            thr_mma_sum = tiled_mma_sum.get_slice(tidx)
+            acc_sum = thr_mma_sum.make_fragment_C(thr_mma_sum.partition_shape_C((self.tile_m, ROWSUM_COLS)))
         row_max = cute.make_rmem_tensor((rows_per_thread,), Float32)
         row_sum = cute.make_rmem_tensor((rows_per_thread,), Float32)
         # With rescale_o_early: the factor of the last softmax, applied before the next GEMM-II.
@@ -697,11 +754,14 @@ class WsFwdSm90:
             m_block, head, batch = self.tile_coords(tile, sched)
             n_max, n_unmasked = self.block_range(m_block, seqlen_q, seqlen_k)
             acc_O.fill(0.0)
+            if const_expr(self.mma_rowsum):
+                acc_sum.fill(0.0)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
             # What every block step of this tile reads (registers and views, nothing copied).
             ctx = SimpleNamespace(
-                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV,
+                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tiled_mma_sum=tiled_mma_sum, tSrQ=tSrQ,
+                tSrK=tSrK, tOrV=tOrV, tOrOnes=tOrOnes, acc_sum=acc_sum,
                 acc_shape_S=acc_shape_S, acc_O=acc_O, tOrP_acc=tOrP_acc, tOrP=tOrP, row_max=row_max,
                 row_sum=row_sum, o_scale=o_scale, tScS_mn=tScS_mn, pipeline_k=pipeline_k,
                 pipeline_v=pipeline_v, scale_log2=scale_log2, m_block=m_block, seqlen_q=seqlen_q,
@@ -736,6 +796,10 @@ class WsFwdSm90:
                 # Every GEMM-I of this warp has completed: Q's buffer may take the next tile.
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive(mbar_Q_empty)
+            if const_expr(self.mma_rowsum):
+                acc_sum_mn = cute.make_tensor(acc_sum.iterator, acc_mn_layout(acc_sum.layout))
+                for r in cutlass.range_constexpr(rows_per_thread):
+                    row_sum[r] = acc_sum_mn[r, 0]
             self.epilogue(
                 acc_O, row_max, row_sum, scale_log2, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
                 thr_mma_pv, tidx, m_block, head, batch, seqlen_q,
@@ -797,16 +861,9 @@ class WsFwdSm90:
             c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1
         )
         if const_expr(self.rescale_o_early):
-            self.rescale_O_pending(c.acc_O, c.o_scale)  # while GEMM-I runs
+            self.rescale_O_pending(c, c.o_scale)  # while GEMM-I runs
         c.pipeline_v.consumer_wait(v_state)
-        gemm(
-            c.tiled_mma_pv,
-            c.acc_O,
-            c.tOrP,
-            c.tOrV[None, None, None, v_state.index],
-            zero_init=False,
-            wg_wait=-1,
-        )
+        self.gemm_pv(v_state.index, -1, c)
         self.pingpong_pass(c.wg)
         warpgroup.wait_group(1)  # GEMM-I done, GEMM-II may still run
         c.pipeline_k.consumer_release(k_state)
@@ -824,7 +881,7 @@ class WsFwdSm90:
         if const_expr(self.rescale_o_early):
             c.o_scale.store(row_scale.load())
         else:
-            self.rescale_O(c.acc_O, row_scale, rescale)
+            self.rescale_O(c, row_scale, rescale)
         return k_state, v_state
 
     @cute.jit
@@ -835,7 +892,7 @@ class WsFwdSm90:
     ):
         """Overlapped loop, second half: O += P V_0."""
         if const_expr(self.rescale_o_early):
-            self.rescale_O_pending(c.acc_O, c.o_scale)
+            self.rescale_O_pending(c, c.o_scale)
         return self.pv_waited(v_state, False, c)
 
     @cute.jit
@@ -871,17 +928,25 @@ class WsFwdSm90:
         c.pipeline_v.consumer_wait(v_state)
         if const_expr(take_token):
             self.pingpong_wait(c.wg)
+        self.gemm_pv(v_state.index, 0, c)
+        c.pipeline_v.consumer_release(v_state)
+        v_state.advance()
+        return v_state
+
+    @cute.jit
+    def gemm_pv(self, v_index: Int32, wg_wait: cutlass.Constexpr[int], c: SimpleNamespace):
+        """O += P V for V's stage v_index, issued (wait_group(wg_wait) if >= 0); with mma_rowsum,
+        P's row sums accumulate in the same commit group."""
+        rowsum = (c.tiled_mma_sum, c.acc_sum, c.tOrP, c.tOrOnes) if const_expr(self.mma_rowsum) else None
         gemm(
             c.tiled_mma_pv,
             c.acc_O,
             c.tOrP,
-            c.tOrV[None, None, None, v_state.index],
+            c.tOrV[None, None, None, v_index],
             zero_init=False,
-            wg_wait=0,
+            wg_wait=wg_wait,
+            then=rowsum,
         )
-        c.pipeline_v.consumer_release(v_state)
-        v_state.advance()
-        return v_state
 
     @cute.jit
     def plain_block(
@@ -904,7 +969,7 @@ class WsFwdSm90:
         row_scale, rescale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, is_first)
         convert(acc_S, c.tOrP_acc)
         if const_expr(not is_first):
-            self.rescale_O(c.acc_O, row_scale, rescale)
+            self.rescale_O(c, row_scale, rescale)
         v_state = self.pv_waited(v_state, True, c)
         return k_state, v_state
 
@@ -1005,15 +1070,16 @@ class WsFwdSm90:
             acc_S_mn[i // cols, i % cols] = cute.math.exp2(acc_S_mn[i // cols, i % cols], fastmath=True)
             if const_expr(i + 1 == min(wait_pv_after, rows * cols)):
                 self.pinned_pv_wait(acc_S_mn[i // cols, i % cols])
-        for r in cutlass.range_constexpr(rows):
-            sums = [Float32(0.0)] * 4
-            for c in cutlass.range_constexpr(cols):
-                sums[c % 4] = sums[c % 4] + acc_S_mn[r, c]
-            block_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
-            if const_expr(is_first):
-                row_sum[r] = block_sum
-            else:
-                row_sum[r] = row_sum[r] * row_scale[r] + block_sum
+        if const_expr(not self.mma_rowsum):
+            for r in cutlass.range_constexpr(rows):
+                sums = [Float32(0.0)] * 4
+                for c in cutlass.range_constexpr(cols):
+                    sums[c % 4] = sums[c % 4] + acc_S_mn[r, c]
+                block_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
+                if const_expr(is_first):
+                    row_sum[r] = block_sum
+                else:
+                    row_sum[r] = row_sum[r] * row_scale[r] + block_sum
         return row_scale, rescale
 
     @cute.jit
@@ -1039,16 +1105,17 @@ class WsFwdSm90:
             warpgroup.wait_group(0)
 
     @cute.jit
-    def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor, rescale=None):
-        """O *= row_scale by rows; with `rescale` (warp-uniform), only if it is true."""
+    def rescale_O(self, c: SimpleNamespace, row_scale: cute.Tensor, rescale=None):
+        """O (and the tensor-core row sums) *= row_scale by rows; with `rescale` (warp-uniform),
+        only if it is true."""
         if const_expr(rescale is None):
-            self.rescale_O_rows(acc_O, row_scale)
+            self.rescale_rows(c, row_scale)
         else:
             if rescale:
-                self.rescale_O_rows(acc_O, row_scale)
+                self.rescale_rows(c, row_scale)
 
     @cute.jit
-    def rescale_O_pending(self, acc_O: cute.Tensor, o_scale: cute.Tensor):
+    def rescale_O_pending(self, c: SimpleNamespace, o_scale: cute.Tensor):
         """The factor a softmax left for later (rescale_o_early): all 1.0 when lazy rescaling
         skipped it, else below 2^-RESCALE_THRESHOLD on some row of the warp."""
         rescale = None
@@ -1057,14 +1124,16 @@ class WsFwdSm90:
             for r in cutlass.range_constexpr(1, cute.size(o_scale)):
                 smallest = cute.arch.fmin(smallest, o_scale[r])
             rescale = cute.arch.vote_any_sync(smallest < Float32(1.0))
-        self.rescale_O(acc_O, o_scale, rescale)
+        self.rescale_O(c, o_scale, rescale)
 
     @cute.jit
-    def rescale_O_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        acc_O_mn = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
-        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * row_scale[r]
+    def rescale_rows(self, c: SimpleNamespace, row_scale: cute.Tensor):
+        accs = [c.acc_O, c.acc_sum] if const_expr(self.mma_rowsum) else [c.acc_O]
+        for acc in accs:
+            acc_mn = cute.make_tensor(acc.iterator, acc_mn_layout(acc.layout))
+            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    acc_mn[r, j] = acc_mn[r, j] * row_scale[r]
 
     @cute.jit
     def store_o_split(
@@ -1140,8 +1209,9 @@ class WsFwdSm90:
         lse = cute.make_rmem_tensor((cute.size(row_sum),), Float32)
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             total = row_sum[r]
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            if const_expr(not self.mma_rowsum):  # partial sums of the row's four lanes
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
             # A row that saw no key: O stays 0 and LSE is -inf.
             inv = Float32(0.0)
             lse[r] = -Float32.inf
