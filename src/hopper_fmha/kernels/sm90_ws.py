@@ -175,35 +175,22 @@ class WsFwdSm90:
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
         # Consumer warpgroups stack along M: warpgroup w computes rows [64w, 64w + 64).
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            OperandMajorMode.K,
-            OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=(self.num_mma_wg, 1, 1),
-            tiler_mn=(64, self.tile_n),
-        )
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            OperandMajorMode.K,
-            OperandMajorMode.MN,
-            Float32,
-            atom_layout_mnk=(self.num_mma_wg, 1, 1),
-            tiler_mn=(64, self.head_dim),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
-        tiled_mma_sum = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            OperandMajorMode.K,
-            OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=(self.num_mma_wg, 1, 1),
-            tiler_mn=(64, ROWSUM_COLS),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
+        def tiled_mma(b_major, n, a_source=warpgroup.OperandSource.SMEM):
+            return sm90_utils.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                OperandMajorMode.K,
+                b_major,
+                Float32,
+                atom_layout_mnk=(self.num_mma_wg, 1, 1),
+                tiler_mn=(64, n),
+                a_source=a_source,
+            )
+
+        # GEMM-I (Q, K from smem), GEMM-II (P from registers, V^T), P's row sums (ones K-major).
+        tiled_mma_qk = tiled_mma(OperandMajorMode.K, self.tile_n)
+        tiled_mma_pv = tiled_mma(OperandMajorMode.MN, self.head_dim, warpgroup.OperandSource.RMEM)
+        tiled_mma_sum = tiled_mma(OperandMajorMode.K, ROWSUM_COLS, warpgroup.OperandSource.RMEM)
         return tiled_mma_qk, tiled_mma_pv, tiled_mma_sum
 
     def _smem_layout(self, rows: int, stages: int | None = None, cols: int | None = None):
