@@ -125,7 +125,6 @@ class WsFwdSm90:
         # instead of after GEMM-II completes, where it delays the next GEMMs (overlapped loop
         # only). FlashAttention-4 does so above d = 128, where O is the largest.
         self.rescale_o_early = rescale_o_early and intra_wg_overlap
-        self.lazy_rescale = True
         # n > 0: in the overlapped loop, wait for GEMM-II after the softmax's first n
         # exponentials. Left to itself, ptxas (CUDA 13) hoists that wait above all of them, to
         # just after the row maxima, so no exponential runs beside GEMM-II; a branch on the n-th
@@ -993,7 +992,7 @@ class WsFwdSm90:
         wait_pv_after: cutlass.Constexpr[int] = 0,
     ):
         """S -> exp2(S*scale - max*scale) in place; updates the row stats; returns O's row rescale
-        and whether any row of this warp has one (None: not known, rescale).
+        and whether any row of this warp has one (None for the first block: nothing to rescale).
 
         Row maxima first, then S*scale - max for every element, then the exponentials, then the
         sums. row_sum stays a per-thread partial sum (the quad reduction happens once, in the
@@ -1008,7 +1007,6 @@ class WsFwdSm90:
         cols = cute.size(acc_S_mn, mode=[1])
         row_scale = cute.make_rmem_tensor(row_max.layout, Float32)
         max_scaled = cute.make_rmem_tensor(row_max.layout, Float32)
-        lazy = const_expr(self.lazy_rescale and not is_first)
         m_seen = cute.make_rmem_tensor(row_max.layout, Float32)
         for r in cutlass.range_constexpr(rows):
             # Four independent max chains for ILP, then the quad (4 lanes own a row) reduction.
@@ -1020,21 +1018,14 @@ class WsFwdSm90:
                 m_new = cute.arch.fmax(m_new, row_max[r])
             m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
             m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
-            if const_expr(lazy):
-                m_seen[r] = m_new
-            else:
-                # A row that has seen no key yet keeps max -inf; exponentiate against 0 instead.
-                m_scaled = m_new * scale_log2
-                if m_new == -Float32.inf:
-                    m_scaled = Float32(0.0)
-                max_scaled[r] = m_scaled
-                if const_expr(is_first):
-                    row_scale[r] = Float32(1.0)
-                else:
-                    row_scale[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
+            if const_expr(is_first):
+                max_scaled[r] = self.exp_base(m_new, scale_log2)
+                row_scale[r] = Float32(1.0)
                 row_max[r] = m_new
+            else:
+                m_seen[r] = m_new
         rescale = None
-        if const_expr(lazy):
+        if const_expr(not is_first):
             # Growth of the max, the largest over this thread's rows (-inf - -inf is NaN, which
             # fmax drops: a row with no key yet needs nothing; -inf -> finite is +inf: rescale).
             grow = m_seen[0] - row_max[0]
@@ -1092,26 +1083,19 @@ class WsFwdSm90:
             warpgroup.wait_group(0)
 
     @cute.jit
-    def rescale_O(self, c: SimpleNamespace, row_scale: cute.Tensor, rescale=None):
-        """O (and the tensor-core row sums) *= row_scale by rows; with `rescale` (warp-uniform),
-        only if it is true."""
-        if const_expr(rescale is None):
+    def rescale_O(self, c: SimpleNamespace, row_scale: cute.Tensor, rescale):
+        """O (and the tensor-core row sums) *= row_scale by rows, if `rescale` (warp-uniform)."""
+        if rescale:
             self.rescale_rows(c, row_scale)
-        else:
-            if rescale:
-                self.rescale_rows(c, row_scale)
 
     @cute.jit
     def rescale_O_pending(self, c: SimpleNamespace, o_scale: cute.Tensor):
         """The factor a softmax left for later (rescale_o_early): all 1.0 when lazy rescaling
         skipped it, else below 2^-RESCALE_THRESHOLD on some row of the warp."""
-        rescale = None
-        if const_expr(self.lazy_rescale):
-            smallest = o_scale[0]
-            for r in cutlass.range_constexpr(1, cute.size(o_scale)):
-                smallest = cute.arch.fmin(smallest, o_scale[r])
-            rescale = cute.arch.vote_any_sync(smallest < Float32(1.0))
-        self.rescale_O(c, o_scale, rescale)
+        smallest = o_scale[0]
+        for r in cutlass.range_constexpr(1, cute.size(o_scale)):
+            smallest = cute.arch.fmin(smallest, o_scale[r])
+        self.rescale_O(c, o_scale, cute.arch.vote_any_sync(smallest < Float32(1.0)))
 
     @cute.jit
     def rescale_rows(self, c: SimpleNamespace, row_scale: cute.Tensor):
