@@ -31,17 +31,23 @@ OUT_FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
 LSE_FLOOR = 1e-4
 
 
-def torch_same_dtype(q, k, v, scale, causal):
-    """PyTorch attention computed in the input dtype (scores, softmax output and P·V in fp16/bf16)."""
+def masked_scores(q, k, scale, causal):
+    """scale * q k^T as (b, h, s_q, s_k) in the inputs' dtype, -inf above the bottom-right diagonal."""
     group = q.shape[2] // k.shape[2]
-    kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) * scale
     sq, sk = q.shape[1], k.shape[1]
     if causal:
         hidden = (
             torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
         )
         s = s.masked_fill(hidden, -math.inf)
+    return s
+
+
+def torch_same_dtype(q, k, v, scale, causal):
+    """PyTorch attention computed in the input dtype (scores, softmax output and P·V in fp16/bf16)."""
+    vv = v.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = masked_scores(q, k, scale, causal)
     lse = torch.logsumexp(s.float(), dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("bhqk,bkhd->bqhd", p, vv), lse
@@ -234,15 +240,8 @@ def test_ws_split_o(hopper_gpu, monkeypatch, dtype, ws, causal, schedule, seqlen
 def max_jumps(q, k, scale, causal, tile_n, threshold=8.0):
     """Rows whose running max, over key blocks in the ws kernel's order (last block first), grows
     by more than `threshold` log2 units at some block after the first block with a visible key."""
-    group = q.shape[2] // k.shape[2]
-    kk = k.repeat_interleave(group, dim=2).float()
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * (scale * math.log2(math.e))
-    sq, sk = q.shape[1], k.shape[1]
-    if causal:
-        hidden = (
-            torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
-        )
-        s = s.masked_fill(hidden, -math.inf)
+    s = masked_scores(q.float(), k.float(), scale * math.log2(math.e), causal)
+    sk = k.shape[1]
     running = torch.full(s.shape[:-1], -math.inf, device=q.device)
     jumped = torch.zeros(s.shape[:-1], dtype=torch.bool, device=q.device)
     for n in reversed(range(0, sk, tile_n)):

@@ -174,6 +174,14 @@ def test_split_o_where_a_whole_o_buffer_does_not_fit():
 
     assert ws_o_buffer(256, 128, 80, 2) == "q" and ws_o_buffer(256, 128, 64, 2) == "split"
     assert ws_o_buffer(128, 128, 128, 2) == "own" and ws_o_buffer(64, 192, 128, 2) == "own"
+    # The row-sum block of ones (mma_rowsum, d = 64) counts: 8 x tile_n, in whole KiB.
+    from hopper_fmha.config import check_fits_ws, ws_smem_bytes
+
+    assert ws_smem_bytes(64, 192, 128, 2, mma_rowsum=True) == ws_smem_bytes(64, 192, 128, 2) + 2048
+    assert ws_smem_bytes(256, 128, 80, 2, mma_rowsum=True) == ws_smem_bytes(256, 128, 80, 2) + 2048
+    assert ws_o_buffer(64, 192, 128, 2, mma_rowsum=True) == "own"
+    with pytest.raises(ValueError, match="row-sum block of ones"):
+        check_fits_ws(256, 128, 96, mma_rowsum=True)
     # What flash_attn_func resolves: no variant, no tile -> the paper kernel there (its 128x128
     # tile); ws asked for without a tile -> ws at 128x128; a tile asked for is kept.
     q = torch.zeros(1, 512, 2, 64, dtype=torch.float16)

@@ -160,19 +160,29 @@ def ws_register_estimate(head_dim: int, tile_n: int) -> int:
     return acc_o + acc_s + frag_p + ws_reg_overhead(head_dim)
 
 
-def ws_smem_bytes(head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2) -> int:
-    """Q, num_stages buffers each of K and V, the mbarriers (1 KiB with alignment)."""
-    return (tile_m + 2 * num_stages * tile_n) * head_dim * elem_bytes + 1024
+# mma_rowsum: the B operand of the GEMM that sums P's rows, 8 (WGMMA's smallest N) x tile_n ones.
+ROWSUM_COLS = 8
 
 
-def ws_o_buffer(head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2) -> str:
+def ws_smem_bytes(
+    head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2, mma_rowsum: bool = False
+) -> int:
+    """Q, num_stages buffers each of K and V, the mbarriers (1 KiB with alignment) and, with
+    mma_rowsum, the block of ones (whole KiB: the buffers are 1 KiB-aligned)."""
+    ones = -(-ROWSUM_COLS * tile_n * elem_bytes // 1024) * 1024 if mma_rowsum else 0
+    return (tile_m + 2 * num_stages * tile_n) * head_dim * elem_bytes + 1024 + ones
+
+
+def ws_o_buffer(
+    head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2, mma_rowsum: bool = False
+) -> str:
     """Where the ws kernel's O goes out through shared memory (`kernels.sm90_ws.WsFwdSm90` decides
     by this too): "own", a whole O buffer beside Q, K and V, so Q's buffer is free after the tile's
     last GEMM-I; "split", where that does not fit but one of 64 rows x min(d, 128) columns per
     consumer warpgroup does (the same for Q); "q", Q's buffer, and the next tile's Q waits for O's
     TMA store to read it.
     """
-    base = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, elem_bytes)
+    base = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, elem_bytes, mma_rowsum)
     if base + tile_m * head_dim * elem_bytes <= SMEM_CAPACITY_BYTES:
         return "own"
     if base + tile_m * min(head_dim, 128) * elem_bytes <= SMEM_CAPACITY_BYTES:
@@ -180,7 +190,7 @@ def ws_o_buffer(head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_b
     return "q"
 
 
-def ws_split_o(head_dim: int, tile_m: int, tile_n: int, num_stages: int) -> bool:
+def ws_split_o(head_dim: int, tile_m: int, tile_n: int, num_stages: int, mma_rowsum: bool = False) -> bool:
     """The `split_o` switch `select_config` sets: O through per-warpgroup buffers exactly where a
     whole O buffer does not fit and those do (`ws_o_buffer`).
 
@@ -188,10 +198,12 @@ def ws_split_o(head_dim: int, tile_m: int, tile_n: int, num_stages: int) -> bool
     per-warpgroup buffers; NOTES "ws v6"): N = 512 non-causal 0.150 -> 0.143, causal 0.114 ->
     0.108; N = 1024 causal 0.166 -> 0.160; N = 2048 causal 0.275 -> 0.269.
     """
-    return ws_o_buffer(head_dim, tile_m, tile_n, num_stages) == "split"
+    return ws_o_buffer(head_dim, tile_m, tile_n, num_stages, mma_rowsum=mma_rowsum) == "split"
 
 
-def check_fits_ws(head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2) -> None:
+def check_fits_ws(
+    head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2, mma_rowsum: bool = False
+) -> None:
     """Raise ValueError naming the rule a ws-variant config breaks."""
     if tile_m not in WS_TILE_M:
         raise ValueError(
@@ -211,11 +223,12 @@ def check_fits_ws(head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2) 
             f"overhead) but tile_m={tile_m} gives consumers {budget}: it would spill. Use a smaller tile_n"
             + (" or tile_m=128." if tile_m != 128 else ".")
         )
-    smem = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages)
+    smem = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, mma_rowsum=mma_rowsum)
     if smem > SMEM_CAPACITY_BYTES:
+        ones = " and the row-sum block of ones" if mma_rowsum else ""
         raise ValueError(
-            f"ws tile {tile_m}x{tile_n} with {num_stages} K/V stages at head_dim={head_dim} needs {smem} "
-            f"bytes of shared memory but a CTA has at most {SMEM_CAPACITY_BYTES}"
+            f"ws tile {tile_m}x{tile_n} with {num_stages} K/V stages{ones} at head_dim={head_dim} needs "
+            f"{smem} bytes of shared memory but a CTA has at most {SMEM_CAPACITY_BYTES}"
         )
 
 
@@ -334,8 +347,9 @@ def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int) -> KernelConfi
 
 
 # Switches a causal launch sets differently from the table, by head dim.
-# d = 64: GEMM-II's wait pinned after 12 exponentials pays non-causal (sustained, N = 4096:
-# 1.148-1.159 vs 1.158-1.171 ms fp16, 1.126 vs 1.138 bf16) but not causal (0.668 vs 0.661).
+# d = 64: the pinned GEMM-II wait and the tensor-core row sums pay non-causal only (sustained,
+# N = 4096 bf16, v8: causal with both 1.156 vs 1.127 M cycles per call; v5: pin 12 causal 0.668 vs
+# 0.661 ms unpinned).
 WS_CAUSAL_SWITCHES = {64: {"pin_pv_wait": 0, "mma_rowsum": False}}
 
 
@@ -366,7 +380,7 @@ def select_config(
     if variant == "ws":
         choice = WS_TILE_TABLE[head_dim]
         tile = choice.tile if tile is None else tile
-        check_fits_ws(head_dim, *tile, num_stages=choice.num_stages)
+        check_fits_ws(head_dim, *tile, num_stages=choice.num_stages, mma_rowsum=choice.mma_rowsum)
         return KernelConfig(
             variant=variant,
             head_dim=head_dim,
@@ -374,7 +388,7 @@ def select_config(
             tile_n=tile[1],
             num_threads=128 * (1 + tile[0] // 64),
             **{name: getattr(choice, name) for name in WS_SWITCHES if name not in WS_DERIVED_SWITCHES},
-            split_o=ws_split_o(head_dim, tile[0], tile[1], choice.num_stages),
+            split_o=ws_split_o(head_dim, tile[0], tile[1], choice.num_stages, choice.mma_rowsum),
         )
     if tile is None:
         tile = PAPER_TILE_TABLE[head_dim]

@@ -61,7 +61,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from hopper_fmha.config import SMEM_CAPACITY_BYTES, ws_o_buffer, ws_smem_bytes
+from hopper_fmha.config import ROWSUM_COLS, SMEM_CAPACITY_BYTES, ws_o_buffer, ws_smem_bytes
 
 from .sm90_common import (
     LN_2,
@@ -84,8 +84,6 @@ BARRIER_TILE_EMPTY = 6  # every consumer thread has read it
 BARRIER_O_SLOT = 7  # + consumer warpgroup index: that warpgroup's O buffer is written / free (split_o)
 # (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
-# mma_rowsum: the N of the GEMM that sums P's rows (WGMMA's smallest).
-ROWSUM_COLS = 8
 # Lazy rescaling: the softmax max moves only when a row's max grows by more than this (log2 units).
 RESCALE_THRESHOLD = 8.0
 
@@ -153,7 +151,7 @@ class WsFwdSm90:
         # last GEMM-I completes, as with a separate buffer. At d = 256 this fits beside 128x64
         # tiles, where a whole separate O does not.
         # Which fit: `config.ws_o_buffer` ("own" fits "split" too).
-        fits = ws_o_buffer(head_dim, tile_m, tile_n, num_stages, dtype.width // 8)
+        fits = ws_o_buffer(head_dim, tile_m, tile_n, num_stages, dtype.width // 8, mma_rowsum)
         assert not split_o or fits != "q", "split_o: the O buffers do not fit beside Q, K and V"
         self.split_o = split_o
         # mma_rowsum: the row sums of P come from the tensor cores, a 64x8 GEMM of P against a
@@ -163,13 +161,10 @@ class WsFwdSm90:
         self.o_cols = min(head_dim, 128)
         self.separate_o = not split_o and fits == "own"
         self.early_q_release = self.separate_o or split_o
-        elem = dtype.width // 8
-        o_bytes = tile_m * (head_dim if self.separate_o else self.o_cols if split_o else 0) * elem
-        ones_bytes = ROWSUM_COLS * tile_n * elem + 1024  # with 1 KiB alignment
         assert not mma_rowsum or (
-            ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, elem) + o_bytes + ones_bytes
+            ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype.width // 8, mma_rowsum)
             <= SMEM_CAPACITY_BYTES
-        ), "mma_rowsum: the block of ones does not fit in shared memory"
+        ), "mma_rowsum: the block of ones does not fit in shared memory beside Q, K and V"
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -995,12 +990,12 @@ class WsFwdSm90:
         and whether any row of this warp has one (None for the first block: nothing to rescale).
 
         Row maxima first, then S*scale - max for every element, then the exponentials, then the
-        sums. row_sum stays a per-thread partial sum (the quad reduction happens once, in the
-        epilogue). wait_pv_after > 0: wait for GEMM-II after that many exponentials
-        (`pinned_pv_wait`). Lazy rescaling: `row_max` is the maximum the exponentials are taken
-        against, moved up only when some row of the warp has grown past it by more than
-        RESCALE_THRESHOLD (log2 units), so P stays below 2^RESCALE_THRESHOLD and most blocks
-        rescale nothing.
+        sums (not with mma_rowsum: the tensor cores sum P). row_sum stays a per-thread partial sum
+        (the quad reduction happens once, in the epilogue). wait_pv_after > 0: wait for GEMM-II
+        after that many exponentials (`pinned_pv_wait`). Lazy rescaling: `row_max` is the maximum
+        the exponentials are taken against, moved up only when some row of the warp has grown
+        past it by more than RESCALE_THRESHOLD (log2 units), so P stays below 2^RESCALE_THRESHOLD
+        and most blocks rescale nothing.
         """
         acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         rows = cute.size(row_max)
