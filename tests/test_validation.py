@@ -152,8 +152,8 @@ def test_variant_rejected_by_config():
 
 
 def test_auto_ws_tile_for_short_problems():
-    # 128x128 for d = 64 causal up to 1024 keys, 128x64 for d = 256 up to 512 keys (causal: 1024)
-    # (measured faster there), the table's tile else.
+    # 128x128 for d = 64 causal up to 1024 keys, 128x64 for d = 256 up to 1024 keys (causal:
+    # 2048) (measured faster there), the table's tile else.
     assert auto_ws_tile(64, True, 512) == (128, 128) and auto_ws_tile(64, True, 1024) == (128, 128)
     assert auto_ws_tile(64, True, 1025) is None and auto_ws_tile(64, False, 512) is None
     assert auto_ws_tile(128, True, 512) is None and auto_ws_tile(128, False, 512) is None
@@ -224,7 +224,7 @@ def test_cta_pairs_only_where_they_apply():
 
 def test_auto_variant_follows_the_measured_limits():
     # The paper kernel for short key sequences where it measured faster (d = 64 up to 1024 keys;
-    # d = 128 causal up to 512), the ws kernel everywhere else.
+    # d = 128 causal up to 256), the ws kernel everywhere else.
     assert auto_variant(64, False, 1024) == "paper" and auto_variant(64, False, 1025) == "ws"
     assert auto_variant(64, True, 1024) == "paper" and auto_variant(64, True, 1025) == "ws"
     assert auto_variant(128, True, 256) == "paper" and auto_variant(128, True, 257) == "ws"
