@@ -106,6 +106,25 @@ def test_paper_kernel_matrix(hopper_gpu, dtype, d, causal, tile, seqlens, heads)
     assert_close_to_reference(q, k, v, scale, causal, out, lse)
 
 
+# Query/key lengths for the paper kernel's trimmed diagonal blocks (causal 128x128): equal
+# lengths (every diagonal block trimmed), key offsets of +64 and -64 (trimmed blocks and blocks
+# where the first 64 rows see some of keys 64..127), +1 and an odd tail.
+TRIM_SEQLENS = [(512, 512), (512, 576), (576, 512), (511, 512), (1000, 1064), (300, 301)]
+
+
+@pytest.mark.parametrize("seqlens", TRIM_SEQLENS, ids=[f"{a}x{b}" for a, b in TRIM_SEQLENS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_paper_causal_diagonal_trim(hopper_gpu, dtype, seqlens):
+    """Causal 128x128 paper tiles: diagonal blocks whose first 64 rows see only the block's first
+    64 keys run a 64x64 GEMM-I and a half-length GEMM-II for those rows."""
+    cfg = config.select_config(64, "paper", (128, 128))
+    sq, sk = seqlens
+    q, k, v = make_inputs(2, sq, sk, 4, 2, 64, dtype, seed=sq * 7 + sk)
+    scale = config.default_softmax_scale(64)
+    out, lse = run_kernel(q, k, v, scale, True, cfg)
+    assert_close_to_reference(q, k, v, scale, True, out, lse)
+
+
 @pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -51,6 +51,15 @@ def acc_to_operand_a_layout(acc_layout: cute.Layout) -> cute.Layout:
     return cute.make_layout(shape, stride=stride)
 
 
+def atom_rows(t: cute.Tensor, m: int, num_k: int | None = None) -> cute.Tensor:
+    """The 64-row MMA block m of a register fragment (V, MMA_M, K) as a (V, 1, K) view, its K
+    mode cut to the first num_k blocks if given (an accumulator's K mode is its N mode)."""
+    shape, stride = t.layout.shape, t.layout.stride
+    k = shape[2] if num_k is None else num_k
+    layout = cute.make_layout((shape[0], 1, k), stride=(stride[0], 0, stride[2]))
+    return cute.make_tensor(t.iterator + m * stride[1], layout)
+
+
 @cute.jit
 def gemm(
     tiled_mma: cute.TiledMma,
@@ -60,11 +69,12 @@ def gemm(
     zero_init: cutlass.Constexpr[bool],
     wg_wait: cutlass.Constexpr[int] = 0,
     then=None,
+    then_zero_init: cutlass.Constexpr[bool] = False,
 ):
     """Issue one warpgroup GEMM over all K blocks as one commit group; wait_group(wg_wait) if >= 0.
 
     then: (tiled_mma, acc, A, B) of a second GEMM issued after the first in the same commit
-    group, accumulating into its acc.
+    group, over A's K blocks, accumulating into its acc (or overwriting it: then_zero_init).
     """
     warpgroup.fence()
     # A fresh atom per call: ACCUMULATE is mutated below, which must not leak across loop regions.
@@ -76,9 +86,11 @@ def gemm(
     if const_expr(then is not None):
         then_mma, then_acc, then_A, then_B = then
         then_atom = cute.make_mma_atom(then_mma.op)
-        then_atom.set(warpgroup.Field.ACCUMULATE, True)
+        then_atom.set(warpgroup.Field.ACCUMULATE, not then_zero_init)
         for k in cutlass.range_constexpr(cute.size(then_A.shape[2])):
             cute.gemm(then_atom, then_acc, then_A[None, None, k], then_B[None, None, k], then_acc)
+            if const_expr(then_zero_init):
+                then_atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
     if const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)

@@ -14,6 +14,10 @@ Algorithm (the paper's Algorithm 2 with its COPY-GEMM overlap), per CTA = one ti
         O += P V_j                                       layout re-viewed as the A operand (RS-WGMMA)
     O /= rowsum; LSE = m + log(rowsum); O -> smem -> TMA store; LSE -> gmem
 
+Causal 128x128 tiles (d = 64, beyond the paper): in a diagonal block whose keys 64..127 lie past
+the causal limit of every one of the first 64 rows, those rows run a 64x64 GEMM-I and a GEMM-II
+over the first 64 keys only; the block's other half runs in full.
+
 Warp roles: none. All 128 threads run the math; warp 0 also issues the TMA copies.
 Register use: fp32 S (tile_m*tile_n/128) and O (tile_m*d/128) accumulators per thread plus P;
 `hopper_fmha.config.check_fits` rejects tiles that cannot fit. Shared memory: one stage of Q,
@@ -38,6 +42,7 @@ from .sm90_common import (
     LOG2_E,
     acc_mn_layout,
     acc_to_operand_a_layout,
+    atom_rows,
     convert,
     gemm,
     stmatrix_copy,
@@ -60,6 +65,9 @@ class PaperFwdSm90:
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.causal = causal
+        # Causal, 128x128: in a diagonal block the first 64 rows see at most the first 64 keys,
+        # so their GEMM-I is 64x64 and their GEMM-II takes half the K blocks (`step`).
+        self.trim_diagonal = causal and tile_m == 128 and tile_n == 128
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -82,7 +90,17 @@ class PaperFwdSm90:
             tiler_mn=(64, self.head_dim),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        return tiled_mma_qk, tiled_mma_pv
+        # GEMM-I of the first 64 rows of a trimmed diagonal block: 64 keys.
+        tiled_mma_qk_half = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(1, 1, 1),
+            tiler_mn=(64, 64),
+        )
+        return tiled_mma_qk, tiled_mma_pv, tiled_mma_qk_half
 
     def _smem_layout(self, rows: int):
         atom = warpgroup.make_smem_layout_atom(
@@ -108,7 +126,7 @@ class PaperFwdSm90:
         ]
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
 
-        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        tiled_mma_qk, tiled_mma_pv, tiled_mma_qk_half = self._tiled_mmas()
         sQ_layout = self._smem_layout(self.tile_m)
         sK_layout = self._smem_layout(self.tile_n)
         sV_layout = self._smem_layout(self.tile_n)
@@ -150,6 +168,7 @@ class PaperFwdSm90:
             sV_layout,
             tiled_mma_qk,
             tiled_mma_pv,
+            tiled_mma_qk_half,
             SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
@@ -173,6 +192,7 @@ class PaperFwdSm90:
         sV_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
+        tiled_mma_qk_half: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -259,18 +279,36 @@ class PaperFwdSm90:
             ),
         )
 
+        # Trimmed diagonal blocks: the first 64 rows' Q and K fragments for the 64x64 GEMM-I, the
+        # last 64 rows' Q fragment for the full-width one, and their accumulator shapes.
+        trim = None
+        if const_expr(self.trim_diagonal):
+            thr_mma_half = tiled_mma_qk_half.get_slice(tidx)
+            rows = (64, self.head_dim)
+            sQ_lo, sQ_hi, sK_lo = (cute.local_tile(t, rows, (i, 0)) for t, i in ((sQ, 0), (sQ, 1), (sK, 0)))
+            trim = (
+                tiled_mma_qk_half,
+                thr_mma_half.make_fragment_A(thr_mma_half.partition_A(sQ_lo)),
+                thr_mma_half.make_fragment_B(thr_mma_half.partition_B(sK_lo)),
+                thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_hi)),
+                thr_mma_half.partition_shape_C((64, 64)),
+                thr_mma_qk.partition_shape_C((64, self.tile_n)),
+            )
+
         cute.arch.mbarrier_wait(mbar_Q, 0)
         for n_block in cutlass.range(n_unmasked, unroll=1):
             self.step(
                 n_block, n_max, False, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O,
                 acc_O_mn, row_max, row_sum, tScS_mn, scale_log2, m_block, seqlen_q, seqlen_k,
                 tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV, mbar_K, mbar_V, bytes_KV, is_tma_warp,
+                None,
             )  # fmt: skip
         for n_block in cutlass.range(n_unmasked, n_max, unroll=1):
             self.step(
                 n_block, n_max, True, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O,
                 acc_O_mn, row_max, row_sum, tScS_mn, scale_log2, m_block, seqlen_q, seqlen_k,
                 tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV, mbar_K, mbar_V, bytes_KV, is_tma_warp,
+                trim,
             )  # fmt: skip
 
         self.epilogue(
@@ -309,8 +347,14 @@ class PaperFwdSm90:
         mbar_V: cute.Pointer,
         bytes_KV: cutlass.Constexpr[int],
         is_tma_warp: cutlass.Boolean,
+        trim,
     ):
-        """One iteration of the mainloop: the paper's COPY-GEMM overlap around both GEMMs."""
+        """One iteration of the mainloop: the paper's COPY-GEMM overlap around both GEMMs.
+
+        trim (masked blocks of a causal 128x128 kernel, else None): where the block's keys
+        64..127 lie past every causal limit of the tile's first 64 rows, those rows run a 64x64
+        GEMM-I and a GEMM-II over the first 64 keys only (a quarter of the block's MMAs saved).
+        """
         phase = n_block % 2
         # sV is free: every thread finished the previous GEMM-II before the last barrier (V of
         # block 0 was loaded with Q).
@@ -321,7 +365,16 @@ class PaperFwdSm90:
         # GEMM-I: S = Q K^T (SS-WGMMA).
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         cute.arch.mbarrier_wait(mbar_K, phase)
-        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True)
+        if const_expr(trim is None):
+            gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True)
+        else:
+            # Row 63 of the tile, the last of the first 64, sees keys up to
+            # m_block * 128 + 63 + seqlen_k - seqlen_q: none of keys 64..127 of this block.
+            trimmed = m_block * self.tile_m + seqlen_k - seqlen_q <= n_block * self.tile_n
+            if trimmed:
+                self.gemm_qk_trimmed(acc_S, tSrK, tiled_mma_qk, trim)
+            else:
+                gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True)
 
         # sK is free once every thread's GEMM-I has completed: prefetch the next K tile.
         cute.arch.barrier(barrier_id=BARRIER_MAINLOOP, number_of_threads=NUM_THREADS)
@@ -366,9 +419,40 @@ class PaperFwdSm90:
 
         # GEMM-II: O += P V (RS-WGMMA).
         cute.arch.mbarrier_wait(mbar_V, phase)
-        gemm(tiled_mma_pv, acc_O, tOrP, tOrV, zero_init=False)
+        if const_expr(trim is None):
+            gemm(tiled_mma_pv, acc_O, tOrP, tOrV, zero_init=False)
+        elif trimmed:
+            # Rows 64..127 over every key block of V, rows 0..63 over the first 64 keys (P is 0
+            # past them), in one commit group.
+            tOrP_lo = atom_rows(tOrP, 0, num_k=cute.size(tOrP, mode=[2]) // 2)
+            gemm(
+                tiled_mma_pv, atom_rows(acc_O, 1), atom_rows(tOrP, 1), tOrV, zero_init=False,
+                then=(tiled_mma_pv, atom_rows(acc_O, 0), tOrP_lo, tOrV),
+            )  # fmt: skip
+        else:
+            gemm(tiled_mma_pv, acc_O, tOrP, tOrV, zero_init=False)
         # sV is free for the next iteration's load once every thread's GEMM-II has completed.
         cute.arch.barrier(barrier_id=BARRIER_MAINLOOP, number_of_threads=NUM_THREADS)
+
+    @cute.jit
+    def gemm_qk_trimmed(self, acc_S: cute.Tensor, tSrK: cute.Tensor, tiled_mma_qk: cute.TiledMma, trim):
+        """S of a trimmed diagonal block: rows 64..127 against all 128 keys, rows 0..63 against
+        the first 64 (one commit group); rows 0..63's other columns are -inf."""
+        tiled_mma_half, tSrQ_lo, tSrK_lo, tSrQ_hi, shape_lo, shape_hi = trim
+        acc_lo = cute.make_rmem_tensor(shape_lo, Float32)
+        acc_hi = cute.make_rmem_tensor(shape_hi, Float32)
+        gemm(
+            tiled_mma_qk, acc_hi, tSrQ_hi, tSrK, zero_init=True,
+            then=(tiled_mma_half, acc_lo, tSrQ_lo, tSrK_lo), then_zero_init=True,
+        )  # fmt: skip
+        # Accumulator registers run column group by column group, so keys 0..63 are the first
+        # half of each 64-row block's values.
+        for i in cutlass.range_constexpr(cute.size(acc_hi)):
+            acc_S[i, 1, 0] = acc_hi[i]
+            if const_expr(i < cute.size(acc_lo)):
+                acc_S[i, 0, 0] = acc_lo[i]
+            else:
+                acc_S[i, 0, 0] = -Float32.inf
 
     @cute.jit
     def apply_mask(
