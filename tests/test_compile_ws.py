@@ -72,6 +72,8 @@ def inspected(key: KernelKey) -> dict:
     # Pingpong arrives; named barriers 5 and 6 (the tile-index hand-off) do not count.
     row["bar_arrive"] = len(re.findall(r"\bBAR\.ARV\b(?! 0x[56]\b)", text))
     row["tma_multicast"] = len(re.findall(r"UTMALDG\.\S*MULTICAST", text))
+    # ptxas serializes WGMMAs it cannot keep asynchronous (a wait after every HGMMA).
+    row["wait_group_0"] = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", text))
     return row
 
 
@@ -94,6 +96,11 @@ def test_shipped_ws_config(key, record_property):
     # CTA pairs: K/V loads multicast (non-causal); causal keys launch unpaired.
     assert key.cluster_m == (1 if key.causal else WS_TILE_TABLE[key.head_dim].cluster_m)
     assert (row["tma_multicast"] > 0) == (key.cluster_m > 1), "K/V multicast switch not in the SASS"
+    hgmma = row["hgmma_ss"] + row["hgmma_rs"]
+    assert row["wait_group_0"] < hgmma / 2, f"{row['wait_group_0']} waits for {hgmma} HGMMAs: serialized"
+    # causal_trim at tile_n a multiple of 32: the first block of a tile may run GEMM-I at tile_n / 2.
+    if key.causal and key.causal_trim and key.tile_n % 32 == 0:
+        assert f"64x{key.tile_n // 2}x16" in row["hgmma_shapes"], "no GEMM-I over half a key block"
 
 
 @pytest.mark.parametrize(

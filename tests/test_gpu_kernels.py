@@ -141,6 +141,35 @@ def test_ws_kernel_matrix(hopper_gpu, dtype, d, causal, seqlens, heads):
     assert_close_to_reference(q, k, v, scale, causal, out, lse)
 
 
+# causal_trim in the ws kernel, (head dim, tile): halves at 128x128 (the first warpgroup's half of
+# a diagonal block, the second's whole), 192x128 (empty blocks for the first warpgroups, halves
+# for the others), 192x96 (halves of 48 keys: three K blocks), 128x64 (d256's short tile: empty
+# blocks, halves of 32 keys), 128x80 (empty blocks only: 40 keys are no whole K blocks).
+WS_TRIM_CASES = [
+    (64, (192, 128)),
+    (64, (128, 128)),
+    (128, (128, 128)),
+    (64, (192, 96)),
+    (256, (128, 80)),
+    (256, (128, 64)),
+]
+
+
+@pytest.mark.parametrize("seqlens", TRIM_SEQLENS + [(384, 384)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("case", WS_TRIM_CASES, ids=lambda c: f"d{c[0]}-{c[1][0]}x{c[1][1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_ws_causal_trim(hopper_gpu, dtype, case, seqlens):
+    """Causal ws kernels skip the MMAs of key blocks (or their second halves) past every row of a
+    warpgroup; blocks where only some rows see the second half must not be trimmed."""
+    d, tile = case
+    cfg = dataclasses.replace(config.select_config(d, "ws", tile), causal_trim=True)
+    sq, sk = seqlens
+    q, k, v = make_inputs(2, sq, sk, 4, 2, d, dtype, seed=hash((d, tile, seqlens)) % 2**31)
+    scale = config.default_softmax_scale(d)
+    out, lse = run_kernel(q, k, v, scale, True, cfg)
+    assert_close_to_reference(q, k, v, scale, True, out, lse)
+
+
 SCHEDULE_SEQLENS = [(113, 203), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
 
 

@@ -83,6 +83,7 @@ class KernelConfig:
     cluster_m: int = 1
     split_o: bool = False
     mma_rowsum: bool = False
+    causal_trim: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -245,6 +246,7 @@ WS_SWITCHES = (
     "cluster_m",
     "split_o",
     "mma_rowsum",
+    "causal_trim",
 )
 WS_DERIVED_SWITCHES = ("split_o",)
 
@@ -262,6 +264,9 @@ class WsChoice:
     cluster_m: int = 1
     # Row sums of P by the tensor cores (a 64x8 GEMM against ones beside GEMM-II; see WsFwdSm90).
     mma_rowsum: bool = False
+    # Causal: a warpgroup skips the GEMM work of key blocks (or their second halves) that lie past
+    # the causal limit of all its 64 rows (see WsFwdSm90).
+    causal_trim: bool = False
 
 
 # The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and
@@ -298,8 +303,19 @@ WS_TILE_TABLE = {
     # The widest tile_n whose two K and two V stages fit shared memory. No pingpong above d128, as
     # FA3/FA4 (672 vs 703 with it); O rescaled while GEMM-I runs (+13%). Pinning the wait lost
     # 8-14% here.
+    # causal_trim (causal): the first warpgroup skips the MMAs of the key block past all its rows,
+    # at 128x64 also halves. Sustained, bf16, ms per call, trimmed vs not (cuDNN), short tile
+    # 128x64: N = 512 0.1001 vs 0.1022 (0.107), fp16 0.1045 vs 0.1063 (0.112); N = 1024 0.1505 vs
+    # 0.1522; N = 2048 0.2466 vs 0.2479. At d128 (128x128) it lost 2-3% (N = 512 0.1173 vs 0.1135),
+    # at d64 (192x128, N = 2048) it changed nothing: off there (NOTES "v10").
     256: WsChoice(
-        (128, 80), num_stages=2, intra_wg_overlap=True, pingpong=False, rescale_o_early=True, cluster_m=2
+        (128, 80),
+        num_stages=2,
+        intra_wg_overlap=True,
+        pingpong=False,
+        rescale_o_early=True,
+        cluster_m=2,
+        causal_trim=True,
     ),
 }
 

@@ -40,6 +40,7 @@ class KernelKey(NamedTuple):
     cluster_m: int = 1
     split_o: bool = False
     mma_rowsum: bool = False
+    causal_trim: bool = False
 
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
@@ -57,6 +58,7 @@ class KernelKey(NamedTuple):
             slug += f"_cl{self.cluster_m}" if self.cluster_m > 1 else ""
             slug += "_splitO" if self.split_o else ""
             slug += "_msum" if self.mma_rowsum else ""
+            slug += "_trim" if self.causal and self.causal_trim else ""
         return slug
 
 

@@ -69,6 +69,7 @@ from .sm90_common import (
     acc_mn_layout,
     acc_to_operand_a_layout,
     as_int32,
+    atom_rows,
     convert,
     gemm,
     stmatrix_copy,
@@ -107,6 +108,7 @@ class WsFwdSm90:
         cluster_m: int = 1,
         split_o: bool = False,
         mma_rowsum: bool = False,
+        causal_trim: bool = False,
     ):
         assert head_dim in (64, 128, 256)
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
@@ -158,6 +160,14 @@ class WsFwdSm90:
         # block of ones in shared memory issued with GEMM-II (every column of the result holds
         # the row's sum), instead of tile_n / 2 adds per thread and block in the softmax.
         self.mma_rowsum = mma_rowsum
+        # causal_trim: where a key block (or its second half) lies past the causal limit of all
+        # 64 rows of a consumer warpgroup, that warpgroup issues no MMAs for it (or GEMM-I at
+        # tile_n / 2 and GEMM-II over the first half of the keys). Blocks still go through the
+        # K/V pipelines, the pingpong ring and the commit groups as any other (`keys_seen`).
+        # Overlapped loop without mma_rowsum only: with the plain loop (d128) or the row sums
+        # (d64), ptxas serializes every WGMMA of the kernel once the trimmed branches are in.
+        self.trim = causal and causal_trim and self.intra_wg_overlap and not mma_rowsum
+        self.trim_half = self.trim and tile_n % 32 == 0  # half of the keys in whole 16-key K blocks
         self.o_cols = min(head_dim, 128)
         self.separate_o = not split_o and fits == "own"
         self.early_q_release = self.separate_o or split_o
@@ -185,7 +195,9 @@ class WsFwdSm90:
         tiled_mma_qk = tiled_mma(OperandMajorMode.K, self.tile_n)
         tiled_mma_pv = tiled_mma(OperandMajorMode.MN, self.head_dim, warpgroup.OperandSource.RMEM)
         tiled_mma_sum = tiled_mma(OperandMajorMode.K, ROWSUM_COLS, warpgroup.OperandSource.RMEM)
-        return tiled_mma_qk, tiled_mma_pv, tiled_mma_sum
+        # GEMM-I over the first half of a key block (causal_trim).
+        tiled_mma_qk_half = tiled_mma(OperandMajorMode.K, self.tile_n // 2)
+        return tiled_mma_qk, tiled_mma_pv, tiled_mma_sum, tiled_mma_qk_half
 
     def _smem_layout(self, rows: int, stages: int | None = None, cols: int | None = None):
         cols = self.head_dim if cols is None else cols
@@ -225,7 +237,7 @@ class WsFwdSm90:
         ]
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
 
-        tiled_mma_qk, tiled_mma_pv, tiled_mma_sum = self._tiled_mmas()
+        tiled_mma_qk, tiled_mma_pv, tiled_mma_sum, tiled_mma_qk_half = self._tiled_mmas()
         # Ones (ROWSUM_COLS x tile_n, K-major), GEMM-II's partner's B operand (mma_rowsum).
         sOnes_layout = self._smem_layout(ROWSUM_COLS, cols=self.tile_n)
         ones_elems = cute.cosize(sOnes_layout) if const_expr(self.mma_rowsum) else 8
@@ -300,6 +312,7 @@ class WsFwdSm90:
             tiled_mma_qk,
             tiled_mma_pv,
             tiled_mma_sum,
+            tiled_mma_qk_half,
             sOnes_layout,
             SharedStorage,
         ).launch(
@@ -335,6 +348,7 @@ class WsFwdSm90:
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         tiled_mma_sum: cute.TiledMma,
+        tiled_mma_qk_half: cute.TiledMma,
         sOnes_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
     ):
@@ -421,8 +435,8 @@ class WsFwdSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
             self.consumer(
-                tiled_mma_qk, tiled_mma_pv, tiled_mma_sum, sQ, sK, sV, sO, sOnes, mbar_Q, mbar_Q_empty,
-                pipeline_k, pipeline_v, tma_atom_O, mO, mLSE, scale_log2, tidx, sched, s_tile,
+                tiled_mma_qk, tiled_mma_pv, tiled_mma_sum, tiled_mma_qk_half, sQ, sK, sV, sO, sOnes, mbar_Q,
+                mbar_Q_empty, pipeline_k, pipeline_v, tma_atom_O, mO, mLSE, scale_log2, tidx, sched, s_tile,
             )  # fmt: skip
 
     @cute.jit
@@ -657,6 +671,7 @@ class WsFwdSm90:
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         tiled_mma_sum: cute.TiledMma,
+        tiled_mma_qk_half: cute.TiledMma,
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
@@ -701,6 +716,18 @@ class WsFwdSm90:
             tOrOnes = wg_mma_sum.make_fragment_B(wg_mma_sum.partition_B(sOnes))
             thr_mma_sum = tiled_mma_sum.get_slice(tidx)
             acc_sum = thr_mma_sum.make_fragment_C(thr_mma_sum.partition_shape_C((self.tile_m, ROWSUM_COLS)))
+        # causal_trim at tile_n / 2: Q and the first half of every K stage for the narrow GEMM-I.
+        tSrQ_half = None
+        tSrK_half = None
+        acc_shape_S_half = None
+        if const_expr(self.trim_half):
+            wg_mma_half = tiled_mma_qk_half.get_slice(wg * WARPGROUP)
+            sK_half = cute.local_tile(sK, (self.tile_n // 2, self.head_dim, self.num_stages), (0, 0, 0))
+            tSrQ_half = wg_mma_half.make_fragment_A(wg_mma_half.partition_A(sQ))
+            tSrK_half = wg_mma_half.make_fragment_B(wg_mma_half.partition_B(sK_half))
+            acc_shape_S_half = tiled_mma_qk_half.get_slice(tidx).partition_shape_C(
+                (self.tile_m, self.tile_n // 2)
+            )
         row_max = cute.make_rmem_tensor((rows_per_thread,), Float32)
         row_sum = cute.make_rmem_tensor((rows_per_thread,), Float32)
         # With rescale_o_early: the factor of the last softmax, applied before the next GEMM-II.
@@ -742,8 +769,10 @@ class WsFwdSm90:
             # What every block step of this tile reads (registers and views, nothing copied).
             ctx = SimpleNamespace(
                 tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tiled_mma_sum=tiled_mma_sum, tSrQ=tSrQ,
-                tSrK=tSrK, tOrV=tOrV, tOrOnes=tOrOnes, acc_sum=acc_sum,
-                acc_shape_S=acc_shape_S, acc_O=acc_O, tOrP_acc=tOrP_acc, tOrP=tOrP, row_max=row_max,
+                tSrK=tSrK, tOrV=tOrV, tOrOnes=tOrOnes, acc_sum=acc_sum, tiled_mma_qk_half=tiled_mma_qk_half,
+                tSrQ_half=tSrQ_half, tSrK_half=tSrK_half,
+                acc_shape_S=acc_shape_S, acc_shape_S_half=acc_shape_S_half, acc_O=acc_O, tOrP_acc=tOrP_acc,
+                tOrP=tOrP, row_max=row_max,
                 row_sum=row_sum, o_scale=o_scale, tScS_mn=tScS_mn, pipeline_k=pipeline_k,
                 pipeline_v=pipeline_v, scale_log2=scale_log2, m_block=m_block, seqlen_q=seqlen_q,
                 seqlen_k=seqlen_k, wg=wg,
@@ -757,9 +786,18 @@ class WsFwdSm90:
                     k_state = self.first_block(n_first, k_state, ctx)
                     for i in cutlass.range(n_first - n_masked_end, unroll=1):
                         k_state, v_state = self.overlapped_block(n_first - 1 - i, True, k_state, v_state, ctx)
-                    for i in cutlass.range(n_masked_end, unroll=1):
+                    n_plain = n_masked_end
+                    if const_expr(self.trim):
+                        # The first unmasked block's GEMM-II takes P of the last masked block,
+                        # which may be trimmed: that one step checks (`pv_trimmed`).
+                        if n_masked_end > 0:
+                            k_state, v_state = self.overlapped_block(
+                                n_masked_end - 1, False, k_state, v_state, ctx, pv_trimmed=True
+                            )
+                        n_plain = n_masked_end - 1
+                    for i in cutlass.range(n_plain, unroll=1):
                         k_state, v_state = self.overlapped_block(
-                            n_masked_end - 1 - i, False, k_state, v_state, ctx
+                            n_plain - 1 - i, False, k_state, v_state, ctx
                         )
                     v_state = self.last_pv(v_state, ctx)
                 else:
@@ -817,7 +855,7 @@ class WsFwdSm90:
         c: SimpleNamespace,
     ):
         """Overlapped loop, first half: S of the last block, its mask and softmax, P (no GEMM-II yet)."""
-        acc_S, k_state = self.qk_waited(k_state, True, c)
+        acc_S, k_state = self.qk_waited(k_state, True, c, n_block)
         self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
         self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, True)
         convert(acc_S, c.tOrP_acc)
@@ -833,8 +871,41 @@ class WsFwdSm90:
         k_state: pipeline.PipelineState,
         v_state: pipeline.PipelineState,
         c: SimpleNamespace,
+        pv_trimmed: cutlass.Constexpr[bool] = False,
     ):
-        """S = Q K_n^T and O += P V_{n+1} in flight together; softmax of S while GEMM-II runs."""
+        """S = Q K_n^T and O += P V_{n+1} in flight together; softmax of S while GEMM-II runs.
+
+        causal_trim, in masked blocks (and with pv_trimmed, where P of block n + 1 was masked):
+        where this warpgroup's rows skip keys of either GEMM (`keys_seen`), `trimmed_steps`.
+        """
+        if const_expr(self.trim and (masked or pv_trimmed)):
+            qk_keys = Int32(self.tile_n)
+            if const_expr(masked):
+                qk_keys = self.keys_seen(c, n_block)
+            pv_keys = self.keys_seen(c, n_block + 1)
+            # Every WGMMA of either branch completes inside it: ptxas serializes all WGMMAs of
+            # a kernel whose asynchronous ones stay in flight across a join of branches.
+            if qk_keys + pv_keys == 2 * self.tile_n:
+                self.overlapped_steps(n_block, masked, k_state, v_state, c, False)
+            else:
+                self.trimmed_steps(n_block, masked, qk_keys, pv_keys, k_state, v_state, c)
+            k_state.advance()
+            v_state.advance()
+        else:
+            self.overlapped_steps(n_block, masked, k_state, v_state, c, True)
+        return k_state, v_state
+
+    @cute.jit
+    def overlapped_steps(
+        self,
+        n_block: Int32,
+        masked: cutlass.Constexpr[bool],
+        k_state: pipeline.PipelineState,
+        v_state: pipeline.PipelineState,
+        c: SimpleNamespace,
+        advance: cutlass.Constexpr[bool],
+    ):
+        """The body of `overlapped_block`; advance: move both pipeline states on (else the caller does)."""
         acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
         c.pipeline_k.consumer_wait(k_state)
         self.pingpong_wait(c.wg)
@@ -848,7 +919,8 @@ class WsFwdSm90:
         self.pingpong_pass(c.wg)
         warpgroup.wait_group(1)  # GEMM-I done, GEMM-II may still run
         c.pipeline_k.consumer_release(k_state)
-        k_state.advance()
+        if const_expr(advance):
+            k_state.advance()
         if const_expr(masked):
             self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
         row_scale, rescale = self.online_softmax(
@@ -857,13 +929,50 @@ class WsFwdSm90:
         if const_expr(self.pin_pv_wait == 0):
             warpgroup.wait_group(0)  # GEMM-II done: P's registers and sV_{n+1} are free
         c.pipeline_v.consumer_release(v_state)
-        v_state.advance()
+        if const_expr(advance):
+            v_state.advance()
+        self.finish_p(acc_S, row_scale, rescale, c)
+
+    @cute.jit
+    def finish_p(self, acc_S: cute.Tensor, row_scale: cute.Tensor, rescale, c: SimpleNamespace):
+        """P = fp16/bf16(S) for the next GEMM-II; O's rescale now or (rescale_o_early) pending."""
         convert(acc_S, c.tOrP_acc)
         if const_expr(self.rescale_o_early):
             c.o_scale.store(row_scale.load())
         else:
             self.rescale_O(c, row_scale, rescale)
-        return k_state, v_state
+
+    @cute.jit
+    def trimmed_steps(
+        self,
+        n_block: Int32,
+        masked: cutlass.Constexpr[bool],
+        qk_keys: Int32,
+        pv_keys: Int32,
+        k_state: pipeline.PipelineState,
+        v_state: pipeline.PipelineState,
+        c: SimpleNamespace,
+    ):
+        """`overlapped_steps` for a block whose GEMM-I covers qk_keys keys and whose GEMM-II (P of
+        block n + 1) pv_keys: both GEMMs issued and waited one after the other, then the softmax
+        (none of it beside GEMM-II). Pipeline waits and releases and the pingpong turn as there."""
+        acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
+        c.pipeline_k.consumer_wait(k_state)
+        self.pingpong_wait(c.wg)
+        if const_expr(self.rescale_o_early):
+            self.rescale_O_pending(c, c.o_scale)
+        # A GEMM-I at tile_n / 2 here, with P and O live beside it, leaves ptxas (d = 64, 160
+        # registers) short of registers for asynchronous WGMMAs: a half block runs whole.
+        self.gemm_qk_keys(acc_S, k_state.index, qk_keys, c, False)
+        c.pipeline_v.consumer_wait(v_state)
+        self.gemm_pv_keys(v_state.index, pv_keys, c)
+        self.pingpong_pass(c.wg)
+        c.pipeline_k.consumer_release(k_state)
+        if const_expr(masked):
+            self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
+        row_scale, rescale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, False)
+        c.pipeline_v.consumer_release(v_state)
+        self.finish_p(acc_S, row_scale, rescale, c)
 
     @cute.jit
     def last_pv(
@@ -874,60 +983,146 @@ class WsFwdSm90:
         """Overlapped loop, second half: O += P V_0."""
         if const_expr(self.rescale_o_early):
             self.rescale_O_pending(c, c.o_scale)
-        return self.pv_waited(v_state, False, c)
+        return self.pv_waited(v_state, False, c, Int32(0))
 
     @cute.jit
     def qk_waited(
-        self, k_state: pipeline.PipelineState, take_token: cutlass.Constexpr[bool], c: SimpleNamespace
+        self,
+        k_state: pipeline.PipelineState,
+        take_token: cutlass.Constexpr[bool],
+        c: SimpleNamespace,
+        n_block=None,
     ):
         """S = Q K^T for K's next stage, waited, the stage released; returns (S, next K state).
 
         take_token: wait for the pingpong token first (else the caller holds it); it is passed
-        on once the GEMM is issued.
+        on once the GEMM is issued. n_block (causal_trim): S's key block, multiplied as far as
+        `keys_seen` says (the token is then passed once the GEMM completes).
         """
         acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
         c.pipeline_k.consumer_wait(k_state)
         if const_expr(take_token):
             self.pingpong_wait(c.wg)
-        gemm(
-            c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1
-        )
-        self.pingpong_pass(c.wg)
-        warpgroup.wait_group(0)
+        if const_expr(self.trim and n_block is not None):
+            self.gemm_qk_keys(acc_S, k_state.index, self.keys_seen(c, n_block), c, True)
+            self.pingpong_pass(c.wg)
+        else:
+            gemm(
+                c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True,
+                wg_wait=-1,
+            )  # fmt: skip
+            self.pingpong_pass(c.wg)
+            warpgroup.wait_group(0)
         c.pipeline_k.consumer_release(k_state)
         k_state.advance()
         return acc_S, k_state
 
     @cute.jit
     def pv_waited(
-        self, v_state: pipeline.PipelineState, take_token: cutlass.Constexpr[bool], c: SimpleNamespace
+        self,
+        v_state: pipeline.PipelineState,
+        take_token: cutlass.Constexpr[bool],
+        c: SimpleNamespace,
+        p_block=None,
     ):
         """O += P V for V's next stage, waited, the stage released; returns the next V state.
 
         take_token: wait for the pingpong token after V lands (the token is not passed here).
+        p_block (causal_trim): P's key block, multiplied as far as `keys_seen` says.
         """
         c.pipeline_v.consumer_wait(v_state)
         if const_expr(take_token):
             self.pingpong_wait(c.wg)
-        self.gemm_pv(v_state.index, 0, c)
+        if const_expr(self.trim and p_block is not None):
+            self.gemm_pv_keys(v_state.index, self.keys_seen(c, p_block), c)
+        else:
+            self.gemm_pv(v_state.index, 0, c)
         c.pipeline_v.consumer_release(v_state)
         v_state.advance()
         return v_state
 
     @cute.jit
-    def gemm_pv(self, v_index: Int32, wg_wait: cutlass.Constexpr[int], c: SimpleNamespace):
+    def gemm_pv(self, v_index: Int32, wg_wait: cutlass.Constexpr[int], c: SimpleNamespace, tOrP=None):
         """O += P V for V's stage v_index, issued (wait_group(wg_wait) if >= 0); with mma_rowsum,
-        P's row sums accumulate in the same commit group."""
-        rowsum = (c.tiled_mma_sum, c.acc_sum, c.tOrP, c.tOrOnes) if const_expr(self.mma_rowsum) else None
+        P's row sums accumulate in the same commit group. tOrP: a view of P's first K blocks
+        (only those are multiplied), else all of P."""
+        tOrP = c.tOrP if const_expr(tOrP is None) else tOrP
+        rowsum = (c.tiled_mma_sum, c.acc_sum, tOrP, c.tOrOnes) if const_expr(self.mma_rowsum) else None
         gemm(
             c.tiled_mma_pv,
             c.acc_O,
-            c.tOrP,
+            tOrP,
             c.tOrV[None, None, None, v_index],
             zero_init=False,
             wg_wait=wg_wait,
             then=rowsum,
         )
+
+    # ------------------------------------------------ causal_trim
+    # A warpgroup's rows end before the keys of a block, or of its second half, in at most the
+    # first two blocks a tile visits. Those blocks keep their pipeline waits and releases and
+    # pingpong turns; only the MMAs are skipped, each GEMM variant in its own branch and waited
+    # there (`overlapped_block`).
+    @cute.jit
+    def keys_seen(self, c: SimpleNamespace, n_block: Int32) -> Int32:
+        """How many keys of block n_block, counted from its first, this warpgroup multiplies: 0
+        when all of them lie past the causal limit of its last row, tile_n / 2 when the second
+        half does (trim_half), else tile_n. Warp-uniform."""
+        # Keys of the block below this bound are seen by the warpgroup's last row (bottom-right
+        # causal: row i sees key j <= i + seqlen_k - seqlen_q).
+        bound = (c.m_block * self.tile_m + 64 * c.wg + 64 + c.seqlen_k - c.seqlen_q) - n_block * self.tile_n
+        keys = Int32(self.tile_n)
+        if const_expr(self.trim_half):
+            if bound <= self.tile_n // 2:
+                keys = Int32(self.tile_n // 2)
+        if bound <= 0:
+            keys = Int32(0)
+        return keys
+
+    @cute.jit
+    def gemm_qk_keys(
+        self,
+        acc_S: cute.Tensor,
+        k_index: Int32,
+        keys: Int32,
+        c: SimpleNamespace,
+        half: cutlass.Constexpr[bool],
+    ):
+        """S = Q K^T for K's stage k_index over the block's first `keys` keys, waited; S's other
+        columns are -inf. half=False: a half block is multiplied whole (the mask clears it)."""
+        whole = keys == self.tile_n
+        if const_expr(not (self.trim_half and half)):
+            whole = keys > 0
+        if whole:
+            gemm(c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_index], zero_init=True)
+        else:
+            # The accumulator's values run column group by column group: the first half of them
+            # are keys 0 .. tile_n / 2 - 1.
+            mid = cute.size(acc_S) // 2
+            for i in cutlass.range_constexpr(mid, cute.size(acc_S)):
+                acc_S[i] = -Float32.inf
+            if const_expr(self.trim_half and half):
+                if keys > 0:
+                    acc_lo = cute.make_tensor(acc_S.iterator, cute.make_layout(c.acc_shape_S_half))
+                    gemm(
+                        c.tiled_mma_qk_half, acc_lo, c.tSrQ_half, c.tSrK_half[None, None, None, k_index],
+                        zero_init=True,
+                    )  # fmt: skip
+                else:
+                    for i in cutlass.range_constexpr(mid):
+                        acc_S[i] = -Float32.inf
+            else:  # keys == 0
+                for i in cutlass.range_constexpr(mid):
+                    acc_S[i] = -Float32.inf
+
+    @cute.jit
+    def gemm_pv_keys(self, v_index: Int32, keys: Int32, c: SimpleNamespace):
+        """O += P V for V's stage v_index over P's first `keys` keys (the rest of P is 0), waited."""
+        if keys == self.tile_n:
+            self.gemm_pv(v_index, 0, c)
+        if const_expr(self.trim_half):
+            if keys == self.tile_n // 2:
+                self.gemm_pv(v_index, 0, c, atom_rows(c.tOrP, 0, num_k=cute.size(c.tOrP, mode=[2]) // 2))
 
     @cute.jit
     def plain_block(
@@ -944,14 +1139,15 @@ class WsFwdSm90:
         With pingpong the token is held from GEMM-II of one block through GEMM-I of the next, so
         the two GEMMs of a warpgroup issue back to back while the other warpgroup does softmax.
         """
-        acc_S, k_state = self.qk_waited(k_state, is_first, c)
+        trim_block = n_block if const_expr(masked) else None
+        acc_S, k_state = self.qk_waited(k_state, is_first, c, trim_block)
         if const_expr(masked):
             self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
         row_scale, rescale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, is_first)
         convert(acc_S, c.tOrP_acc)
         if const_expr(not is_first):
             self.rescale_O(c, row_scale, rescale)
-        v_state = self.pv_waited(v_state, True, c)
+        v_state = self.pv_waited(v_state, True, c, trim_block)
         return k_state, v_state
 
     @cute.jit
