@@ -32,6 +32,8 @@ has grown past it by more than RESCALE_THRESHOLD (8, log2 units; P stays below 2
 first blocks O's rescale is mostly a skipped branch. `mma_rowsum` (d = 64 non-causal): P's row
 sums come from a 64x8 GEMM of P against ones, issued with GEMM-II, instead of adds in the softmax.
 `intra_wg_overlap=False` gives the plain loop (GEMM-I, softmax, GEMM-II, each waited).
+`causal_trim` (d = 256 causal): a consumer warpgroup issues no MMAs for a key block past all of its
+rows, and only half of them where the block's second half is (`keys_seen`).
 
 Register split (setmaxnreg; needs `min_blocks_per_mp=1` at launch or ptxas ignores it):
 2 consumer warpgroups: producer 24, consumers 240; 3 consumer warpgroups: 32 and 160
