@@ -78,7 +78,7 @@ def paper_layouts(tile_m: int, tile_n: int, head_dim: int, dtype: str = "float16
 
     @cute.jit
     def trace():
-        tiled_mma_qk, tiled_mma_pv = kernel._tiled_mmas()
+        tiled_mma_qk, tiled_mma_pv, _ = kernel._tiled_mmas()
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         thr_mma_pv = tiled_mma_pv.get_slice(0)
         tSrS = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((tile_m, tile_n)))
