@@ -71,35 +71,23 @@ class PaperFwdSm90:
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            OperandMajorMode.K,
-            OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=(1, 1, 1),
-            tiler_mn=(64, self.tile_n),
-        )
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            OperandMajorMode.K,
-            OperandMajorMode.MN,
-            Float32,
-            atom_layout_mnk=(1, 1, 1),
-            tiler_mn=(64, self.head_dim),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
-        # GEMM-I of the first 64 rows of a trimmed diagonal block: 64 keys.
-        tiled_mma_qk_half = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            OperandMajorMode.K,
-            OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=(1, 1, 1),
-            tiler_mn=(64, 64),
-        )
+        def tiled_mma(b_major, n, a_source=warpgroup.OperandSource.SMEM):
+            return sm90_utils.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                OperandMajorMode.K,
+                b_major,
+                Float32,
+                atom_layout_mnk=(1, 1, 1),
+                tiler_mn=(64, n),
+                a_source=a_source,
+            )
+
+        # GEMM-I (Q, K from smem), GEMM-II (P from registers, V^T), and GEMM-I of the first 64
+        # rows of a trimmed diagonal block (64 keys).
+        tiled_mma_qk = tiled_mma(OperandMajorMode.K, self.tile_n)
+        tiled_mma_pv = tiled_mma(OperandMajorMode.MN, self.head_dim, warpgroup.OperandSource.RMEM)
+        tiled_mma_qk_half = tiled_mma(OperandMajorMode.K, 64)
         return tiled_mma_qk, tiled_mma_pv, tiled_mma_qk_half
 
     def _smem_layout(self, rows: int):

@@ -168,7 +168,10 @@ class WsFwdSm90:
         # K/V pipelines, the pingpong ring and the commit groups as any other (`keys_seen`).
         # Overlapped loop without mma_rowsum only: with the plain loop (d128) or the row sums
         # (d64), ptxas serializes every WGMMA of the kernel once the trimmed branches are in.
-        self.trim = causal and causal_trim and self.intra_wg_overlap and not mma_rowsum
+        self.trim = causal and causal_trim
+        assert not self.trim or (self.intra_wg_overlap and not mma_rowsum), (
+            "causal_trim needs intra_wg_overlap and no mma_rowsum (else ptxas serializes the WGMMAs)"
+        )
         self.trim_half = self.trim and tile_n % 32 == 0  # half of the keys in whole 16-key K blocks
         self.o_cols = min(head_dim, 128)
         self.separate_o = not split_o and fits == "own"
@@ -772,9 +775,8 @@ class WsFwdSm90:
             ctx = SimpleNamespace(
                 tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tiled_mma_sum=tiled_mma_sum, tSrQ=tSrQ,
                 tSrK=tSrK, tOrV=tOrV, tOrOnes=tOrOnes, acc_sum=acc_sum, tiled_mma_qk_half=tiled_mma_qk_half,
-                tSrQ_half=tSrQ_half, tSrK_half=tSrK_half,
-                acc_shape_S=acc_shape_S, acc_shape_S_half=acc_shape_S_half, acc_O=acc_O, tOrP_acc=tOrP_acc,
-                tOrP=tOrP, row_max=row_max,
+                tSrQ_half=tSrQ_half, tSrK_half=tSrK_half, acc_shape_S=acc_shape_S,
+                acc_shape_S_half=acc_shape_S_half, acc_O=acc_O, tOrP_acc=tOrP_acc, tOrP=tOrP, row_max=row_max,
                 row_sum=row_sum, o_scale=o_scale, tScS_mn=tScS_mn, pipeline_k=pipeline_k,
                 pipeline_v=pipeline_v, scale_log2=scale_log2, m_block=m_block, seqlen_q=seqlen_q,
                 seqlen_k=seqlen_k, wg=wg,
