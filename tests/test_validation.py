@@ -174,14 +174,22 @@ def test_split_o_where_a_whole_o_buffer_does_not_fit():
 
     assert ws_o_buffer(256, 128, 80, 2) == "q" and ws_o_buffer(256, 128, 64, 2) == "split"
     assert ws_o_buffer(128, 128, 128, 2) == "own" and ws_o_buffer(64, 192, 128, 2) == "own"
-    # The row-sum block of ones (mma_rowsum, d = 64) counts: 8 x tile_n, in whole KiB.
-    from hopper_fmha.config import check_fits_ws, ws_smem_bytes
+    # Shared storage as the kernel lays it out (it asserts the same count when it compiles): 1 KiB
+    # of mbarriers, then 1 KiB-aligned Q, O, ones, K and V, where an unused O or ones slot still
+    # takes 1 KiB. d = 256 at 128x80 fills the 227 KiB exactly: 1 + 64 + 1 + 1 + 2 x 80 KiB.
+    from hopper_fmha.config import SMEM_CAPACITY_BYTES, check_fits_ws, ws_smem_bytes
 
-    assert ws_smem_bytes(64, 192, 128, 2, mma_rowsum=True) == ws_smem_bytes(64, 192, 128, 2) + 2048
-    assert ws_smem_bytes(256, 128, 80, 2, mma_rowsum=True) == ws_smem_bytes(256, 128, 80, 2) + 2048
+    assert ws_smem_bytes(256, 128, 80, 2) == SMEM_CAPACITY_BYTES == 227 * 1024
+    assert ws_smem_bytes(256, 128, 64, 2, o_buffer="split") == (1 + 64 + 32 + 1 + 2 * 64) * 1024
+    assert ws_smem_bytes(64, 192, 128, 2, o_buffer="own") == (1 + 24 + 24 + 1 + 2 * 32) * 1024
+    # The row-sum block of ones (mma_rowsum, d = 64): 8 x tile_n, in whole KiB, in place of the
+    # empty slot. Beside 128x80 at d = 256 it needs a KiB more than there is.
+    assert ws_smem_bytes(64, 192, 128, 2, mma_rowsum=True) == ws_smem_bytes(64, 192, 128, 2) + 1024
+    assert ws_smem_bytes(256, 128, 80, 2, mma_rowsum=True) == SMEM_CAPACITY_BYTES + 1024
     assert ws_o_buffer(64, 192, 128, 2, mma_rowsum=True) == "own"
-    with pytest.raises(ValueError, match="row-sum block of ones"):
-        check_fits_ws(256, 128, 96, mma_rowsum=True)
+    for tile_n in (80, 96):
+        with pytest.raises(ValueError, match="row-sum block of ones"):
+            check_fits_ws(256, 128, tile_n, mma_rowsum=True)
     # What flash_attn_func resolves: no variant, no tile -> the paper kernel there (its 128x128
     # tile); ws asked for without a tile -> ws at 128x128; a tile asked for is kept.
     q = torch.zeros(1, 512, 2, 64, dtype=torch.float16)

@@ -166,12 +166,33 @@ ROWSUM_COLS = 8
 
 
 def ws_smem_bytes(
-    head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2, mma_rowsum: bool = False
+    head_dim: int,
+    tile_m: int,
+    tile_n: int,
+    num_stages: int,
+    elem_bytes: int = 2,
+    mma_rowsum: bool = False,
+    o_buffer: str = "q",
 ) -> int:
-    """Q, num_stages buffers each of K and V, the mbarriers (1 KiB with alignment) and, with
-    mma_rowsum, the block of ones (whole KiB: the buffers are 1 KiB-aligned)."""
-    ones = -(-ROWSUM_COLS * tile_n * elem_bytes // 1024) * 1024 if mma_rowsum else 0
-    return (tile_m + 2 * num_stages * tile_n) * head_dim * elem_bytes + 1024 + ones
+    """Bytes of the ws kernel's shared storage, as laid out (`kernels.sm90_ws`, which asserts the
+    two agree at compile time): the mbarriers and the tile slot, then Q, O's buffer, the block of
+    ones and num_stages K and V buffers, each 1 KiB-aligned. O's buffer by `o_buffer`: "own" (the
+    whole tile), "split" (64 rows x min(d, 128) columns per consumer warpgroup), "q" (none: O goes
+    out through Q's; its empty slot still takes 1 KiB). Without mma_rowsum the ones' slot is empty
+    and takes 1 KiB too."""
+
+    def slot(n: int) -> int:  # 1 KiB-aligned; an empty slot holds a 16-byte placeholder
+        return -(-max(n, 16) // 1024) * 1024
+
+    o_rows_cols = {"own": tile_m * head_dim, "split": tile_m * min(head_dim, 128), "q": 0}[o_buffer]
+    ones = ROWSUM_COLS * tile_n * elem_bytes if mma_rowsum else 0
+    return (
+        1024
+        + slot(tile_m * head_dim * elem_bytes)
+        + slot(o_rows_cols * elem_bytes)
+        + slot(ones)
+        + 2 * slot(num_stages * tile_n * head_dim * elem_bytes)
+    )
 
 
 def ws_o_buffer(
@@ -183,11 +204,10 @@ def ws_o_buffer(
     consumer warpgroup does (the same for Q); "q", Q's buffer, and the next tile's Q waits for O's
     TMA store to read it.
     """
-    base = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, elem_bytes, mma_rowsum)
-    if base + tile_m * head_dim * elem_bytes <= SMEM_CAPACITY_BYTES:
-        return "own"
-    if base + tile_m * min(head_dim, 128) * elem_bytes <= SMEM_CAPACITY_BYTES:
-        return "split"
+    for o_buffer in ("own", "split"):
+        smem = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, elem_bytes, mma_rowsum, o_buffer)
+        if smem <= SMEM_CAPACITY_BYTES:
+            return o_buffer
     return "q"
 
 

@@ -176,10 +176,13 @@ class WsFwdSm90:
         self.o_cols = min(head_dim, 128)
         self.separate_o = not split_o and fits == "own"
         self.early_q_release = self.separate_o or split_o
-        assert not mma_rowsum or (
-            ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype.width // 8, mma_rowsum)
-            <= SMEM_CAPACITY_BYTES
-        ), "mma_rowsum: the block of ones does not fit in shared memory beside Q, K and V"
+        o_buffer = "own" if self.separate_o else "split" if split_o else "q"
+        self.smem_bytes = ws_smem_bytes(
+            head_dim, tile_m, tile_n, num_stages, dtype.width // 8, mma_rowsum, o_buffer
+        )
+        assert not mma_rowsum or self.smem_bytes <= SMEM_CAPACITY_BYTES, (
+            "mma_rowsum: the block of ones does not fit in shared memory beside Q, K and V"
+        )
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -287,6 +290,11 @@ class WsFwdSm90:
             sOnes: cute.struct.Align[cute.struct.MemRange[self.dtype, ones_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        # The host's checks (`config.check_fits_ws`, `config.ws_o_buffer`) count these bytes.
+        assert SharedStorage.size_in_bytes() == self.smem_bytes, (
+            f"shared storage {SharedStorage.size_in_bytes()} bytes, config.ws_smem_bytes {self.smem_bytes}"
+        )
 
         # Tiles (cluster_m = 2: pairs of query tiles), one per cluster at a time.
         num_tiles = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m * self.cluster_m)
