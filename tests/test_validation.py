@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hopper_fmha import config, flash_attn_func, interface
-from hopper_fmha.config import auto_variant, auto_ws_tile, select_config
+from hopper_fmha.config import auto_paper_tile, auto_variant, auto_ws_tile, select_config
 from hopper_fmha.reference import reference
 
 pytestmark = pytest.mark.cpu
@@ -151,6 +151,15 @@ def test_variant_rejected_by_config():
         flash_attn_func(q, k, v, variant="fa3")
 
 
+def test_auto_paper_tile_for_short_problems():
+    # 64x64 for d = 64 causal up to 1024 keys (four CTAs per SM; measured faster there), the
+    # table's tile else; 1025 keys take the ws kernel anyway.
+    assert auto_paper_tile(64, True, 512) == (64, 64) and auto_paper_tile(64, True, 1024) == (64, 64)
+    assert auto_paper_tile(64, True, 1025) is None and auto_paper_tile(64, False, 512) is None
+    assert auto_paper_tile(128, True, 256) is None and auto_paper_tile(256, True, 512) is None
+    assert auto_variant(64, True, 1024) == "paper" and auto_variant(64, True, 1025) == "ws"
+
+
 def test_auto_ws_tile_for_short_problems():
     # 128x128 for d = 64 causal up to 1024 keys, 128x64 for d = 256 up to 1024 keys (causal:
     # 2048) (measured faster there), the table's tile else.
@@ -190,11 +199,15 @@ def test_split_o_where_a_whole_o_buffer_does_not_fit():
     for tile_n in (80, 96):
         with pytest.raises(ValueError, match="row-sum block of ones"):
             check_fits_ws(256, 128, tile_n, mma_rowsum=True)
-    # What flash_attn_func resolves: no variant, no tile -> the paper kernel there (its 128x128
-    # tile); ws asked for without a tile -> ws at 128x128; a tile asked for is kept.
+    # What flash_attn_func resolves: no variant, no tile -> the paper kernel there (its short
+    # causal tile, 64x64; 128x128 non-causal); ws asked for without a tile -> ws at 128x128; a
+    # tile asked for is kept.
     q = torch.zeros(1, 512, 2, 64, dtype=torch.float16)
     cfg = interface._validate(q, q, q, None, True, None, None)[1]
+    assert (cfg.variant, cfg.tile) == ("paper", (64, 64))
+    cfg = interface._validate(q, q, q, None, False, None, None)[1]
     assert (cfg.variant, cfg.tile) == ("paper", (128, 128))
+    assert interface._validate(q, q, q, None, True, "paper", (128, 128))[1].tile == (128, 128)
     cfg = interface._validate(q, q, q, None, True, "ws", None)[1]
     assert (cfg.variant, cfg.tile) == ("ws", (128, 128))
     assert interface._validate(q, q, q, None, True, "ws", (192, 128))[1].tile == (192, 128)
@@ -282,7 +295,8 @@ def test_outputs_and_launch_arguments(cpu_kernel, causal):
     assert launch["softmax_scale"] == 64**-0.5 and launch["causal"] is causal
     # No variant asked for: the one auto_variant picks for this (short) problem, at its tile.
     variant = auto_variant(64, causal, k.shape[1])
-    tile = auto_ws_tile(64, causal, k.shape[1]) if variant == "ws" else None
+    short = auto_ws_tile if variant == "ws" else auto_paper_tile
+    tile = short(64, causal, k.shape[1])
     assert launch["cfg"] == select_config(64, variant, tile)
     assert launch["q"] is q  # conforming inputs are passed through, not copied
     assert torch.equal(flash_attn_func(q, k, v, causal=causal), out)

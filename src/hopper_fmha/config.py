@@ -360,6 +360,25 @@ WS_SHORT_TILE = {
 }
 
 
+# The paper kernel's tile by problem, where it differs from PAPER_TILE_TABLE: (head_dim, causal) ->
+# (longest seqlen_k, tile). d = 64 causal up to 1024 keys: 64x64 (v11, sustained at the 700 W cap,
+# ms per call and M cycles, 64x64 vs 128x128 (cuDNN), `bench/results/2026-11-21-h200-v11/
+# power-d64-paper-tiles.txt`): N = 512 bf16 0.1335 vs 0.1401 (0.1396), 0.224 vs 0.264 Mcyc;
+# fp16 0.1381 vs 0.1440 (0.1438); N = 1024 bf16 0.2133-0.2156 vs 0.2162-0.2173 (0.2170), 0.360
+# vs 0.401 Mcyc. 32 + 32 accumulator registers instead of 64 + 64 let four CTAs share an SM
+# instead of two, which hide each other's per-tile latency (loads, first softmax, epilogue) at
+# 1-8 key blocks per tile; 128x64 (0.151) and 64x128 (0.144) lose.
+PAPER_SHORT_TILE = {(64, True): (1024, (64, 64))}
+
+
+def auto_paper_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
+    """The paper tile for a problem when no tile is asked for: None means the table's."""
+    found = PAPER_SHORT_TILE.get((head_dim, causal))
+    if found is not None and seqlen_k <= found[0]:
+        return found[1]
+    return None
+
+
 def auto_ws_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
     """The ws tile for a problem when no tile is asked for: None means the table's."""
     found = WS_SHORT_TILE.get((head_dim, causal))

@@ -49,8 +49,8 @@ def flash_attn_func(
         return_lse: also return the log-sum-exp of the scaled scores.
         variant: kernel variant (see `hopper_fmha.config.VARIANTS`); None picks per problem
             (`hopper_fmha.config.auto_variant`; "ws" when a tile is given).
-        tile: optional (tile_m, tile_n) override, for tests and benchmarks; None takes the tile
-            table's, or for the ws variant `hopper_fmha.config.auto_ws_tile`'s for the problem.
+        tile: optional (tile_m, tile_n) override, for tests and benchmarks; None takes the
+            problem's (`hopper_fmha.config.auto_ws_tile` / `auto_paper_tile`), else the table's.
 
     Returns:
         out: same shape and dtype as q, contiguous. With return_lse, (out, lse) where lse is
@@ -127,6 +127,8 @@ def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, con
         tile = tuple(tile)
     elif variant == "ws":
         tile = config.auto_ws_tile(head_dim, causal, k.shape[1])
+    elif variant == "paper":
+        tile = config.auto_paper_tile(head_dim, causal, k.shape[1])
     # Under torch.compile, call the uncached function: dynamo traces through lru_cache anyway
     # and warns about it on every compile.
     select = config.select_config.__wrapped__ if torch.compiler.is_compiling() else config.select_config
