@@ -365,9 +365,9 @@ WS_SHORT_TILE = {
 # ms per call and M cycles, 64x64 vs 128x128 (cuDNN), `bench/results/2026-11-21-h200-v11/
 # power-d64-paper-tiles.txt`): N = 512 bf16 0.1335 vs 0.1401 (0.1396), 0.224 vs 0.264 Mcyc;
 # fp16 0.1381 vs 0.1440 (0.1438); N = 1024 bf16 0.2133-0.2156 vs 0.2162-0.2173 (0.2170), 0.360
-# vs 0.401 Mcyc. 32 + 32 accumulator registers instead of 64 + 64 let four CTAs share an SM
-# instead of two, which hide each other's per-tile latency (loads, first softmax, epilogue) at
-# 1-8 key blocks per tile; 128x64 (0.151) and 64x128 (0.144) lose.
+# vs 0.401 Mcyc. S and O take 32 + 32 registers per thread instead of 128 + 64 (99 in all, not
+# 255), so four CTAs share an SM instead of two and hide each other's per-tile latency (loads,
+# first softmax, epilogue) at 1-16 key blocks per tile; 128x64 (0.151) and 64x128 (0.144) lose.
 PAPER_SHORT_TILE = {(64, True): (1024, (64, 64))}
 
 
