@@ -25,9 +25,9 @@ DEFAULT_VARIANT = "ws"  # with an explicit tile; without one, `auto_variant` pic
 # (NOTES.md, "variant by problem", "ws v3", "ws v4", "ws v7"): at d = 64 up to 1024 keys,
 # non-causal (fp16 +11-21%; bf16 too since P is converted in pairs: 0.187 vs 0.205 ms at N = 512)
 # and causal (its 128x128 tile, 0.145 vs 0.155 ms at 512 keys, 0.226 vs 0.233 at 1024, sustained
-# at the power cap); at d = 128 causal up to 256 keys (0.084 vs 0.089 ms bf16; at 512 the ws
-# kernel is faster, 0.1160 vs 0.1177 bf16, 0.1206 vs 0.1221 fp16); never at d = 256 or d = 128
-# non-causal.
+# at the power cap; since v11 its 64x64 there, `PAPER_SHORT_TILE`); at d = 128 causal up to 256
+# keys (0.084 vs 0.089 ms bf16; at 512 the ws kernel is faster, 0.1160 vs 0.1177 bf16, 0.1206 vs
+# 0.1221 fp16); never at d = 256 or d = 128 non-causal.
 PAPER_MAX_SEQLEN_K = {64: 1024, 128: 0, 256: 0}
 PAPER_MAX_SEQLEN_K_CAUSAL = {64: 1024, 128: 256, 256: 0}
 
@@ -371,20 +371,19 @@ WS_SHORT_TILE = {
 PAPER_SHORT_TILE = {(64, True): (1024, (64, 64))}
 
 
+def _short_tile(table: dict, head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
+    found = table.get((head_dim, causal))
+    return found[1] if found is not None and seqlen_k <= found[0] else None
+
+
 def auto_paper_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
     """The paper tile for a problem when no tile is asked for: None means the table's."""
-    found = PAPER_SHORT_TILE.get((head_dim, causal))
-    if found is not None and seqlen_k <= found[0]:
-        return found[1]
-    return None
+    return _short_tile(PAPER_SHORT_TILE, head_dim, causal, seqlen_k)
 
 
 def auto_ws_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
     """The ws tile for a problem when no tile is asked for: None means the table's."""
-    found = WS_SHORT_TILE.get((head_dim, causal))
-    if found is not None and seqlen_k <= found[0]:
-        return found[1]
-    return None
+    return _short_tile(WS_SHORT_TILE, head_dim, causal, seqlen_k)
 
 
 def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int) -> KernelConfig:
