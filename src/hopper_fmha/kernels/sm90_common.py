@@ -7,13 +7,43 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+
+
+def tiled_mma_64(
+    dtype, b_major, n: int, num_wg: int = 1, a_source=warpgroup.OperandSource.SMEM
+) -> cute.TiledMma:
+    """A warpgroup MMA on 64 x n tiles, A K-major, fp32 accumulators; num_wg warpgroups stack
+    along M (warpgroup w computes rows [64w, 64w + 64))."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype,
+        dtype,
+        OperandMajorMode.K,
+        b_major,
+        Float32,
+        atom_layout_mnk=(num_wg, 1, 1),
+        tiler_mn=(64, n),
+        a_source=a_source,
+    )
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """A (rows, cols[, stages]) row-major buffer in shared memory, swizzled as widely as cols
+    allows (128B at 64 16-bit columns and more), as TMA and WGMMA read it."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
 def acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
@@ -77,20 +107,16 @@ def gemm(
     group, over A's K blocks, accumulating into its acc (or overwriting it: then_zero_init).
     """
     warpgroup.fence()
-    # A fresh atom per call: ACCUMULATE is mutated below, which must not leak across loop regions.
-    mma_atom = cute.make_mma_atom(tiled_mma.op)
-    mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+    gemms = [(tiled_mma, acc, tCrA, tCrB, zero_init)]
     if const_expr(then is not None):
-        then_mma, then_acc, then_A, then_B = then
-        then_atom = cute.make_mma_atom(then_mma.op)
-        then_atom.set(warpgroup.Field.ACCUMULATE, not then_zero_init)
-        for k in cutlass.range_constexpr(cute.size(then_A.shape[2])):
-            cute.gemm(then_atom, then_acc, then_A[None, None, k], then_B[None, None, k], then_acc)
-            if const_expr(then_zero_init):
-                then_atom.set(warpgroup.Field.ACCUMULATE, True)
+        gemms.append((*then, then_zero_init))
+    for mma, c, a, b, overwrite in gemms:
+        # A fresh atom per GEMM: ACCUMULATE is mutated below, which must not leak across loop regions.
+        mma_atom = cute.make_mma_atom(mma.op)
+        mma_atom.set(warpgroup.Field.ACCUMULATE, not overwrite)
+        for k in cutlass.range_constexpr(cute.size(a.shape[2])):
+            cute.gemm(mma_atom, c, a[None, None, k], b[None, None, k], c)
+            mma_atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
     if const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)

@@ -32,10 +32,8 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from .sm90_common import (
     LN_2,
@@ -45,7 +43,9 @@ from .sm90_common import (
     atom_rows,
     convert,
     gemm,
+    smem_layout,
     stmatrix_copy,
+    tiled_mma_64,
     tma_load,
 )
 
@@ -71,30 +71,18 @@ class PaperFwdSm90:
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
-        def tiled_mma(b_major, n, a_source=warpgroup.OperandSource.SMEM):
-            return sm90_utils.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                OperandMajorMode.K,
-                b_major,
-                Float32,
-                atom_layout_mnk=(1, 1, 1),
-                tiler_mn=(64, n),
-                a_source=a_source,
-            )
-
         # GEMM-I (Q, K from smem), GEMM-II (P from registers, V^T), and GEMM-I of the first 64
         # rows of a trimmed diagonal block (64 keys).
-        tiled_mma_qk = tiled_mma(OperandMajorMode.K, self.tile_n)
-        tiled_mma_pv = tiled_mma(OperandMajorMode.MN, self.head_dim, warpgroup.OperandSource.RMEM)
-        tiled_mma_qk_half = tiled_mma(OperandMajorMode.K, 64)
-        return tiled_mma_qk, tiled_mma_pv, tiled_mma_qk_half
+        return (
+            tiled_mma_64(self.dtype, OperandMajorMode.K, self.tile_n),
+            tiled_mma_64(
+                self.dtype, OperandMajorMode.MN, self.head_dim, a_source=warpgroup.OperandSource.RMEM
+            ),
+            tiled_mma_64(self.dtype, OperandMajorMode.K, 64),
+        )
 
     def _smem_layout(self, rows: int):
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim), self.dtype
-        )
-        return cute.tile_to_shape(atom, (rows, self.head_dim), order=(0, 1))
+        return smem_layout(self.dtype, rows, self.head_dim)
 
     @cute.jit
     def __call__(

@@ -58,10 +58,8 @@ from types import SimpleNamespace
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from hopper_fmha.config import ROWSUM_COLS, SMEM_CAPACITY_BYTES, ws_o_buffer, ws_smem_bytes
 
@@ -74,7 +72,9 @@ from .sm90_common import (
     atom_rows,
     convert,
     gemm,
+    smem_layout,
     stmatrix_copy,
+    tiled_mma_64,
     tma_load,
 )
 
@@ -186,18 +186,8 @@ class WsFwdSm90:
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
-        # Consumer warpgroups stack along M: warpgroup w computes rows [64w, 64w + 64).
         def tiled_mma(b_major, n, a_source=warpgroup.OperandSource.SMEM):
-            return sm90_utils.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                OperandMajorMode.K,
-                b_major,
-                Float32,
-                atom_layout_mnk=(self.num_mma_wg, 1, 1),
-                tiler_mn=(64, n),
-                a_source=a_source,
-            )
+            return tiled_mma_64(self.dtype, b_major, n, self.num_mma_wg, a_source)  # warpgroups along M
 
         # GEMM-I (Q, K from smem), GEMM-II (P from registers, V^T), P's row sums (ones K-major).
         tiled_mma_qk = tiled_mma(OperandMajorMode.K, self.tile_n)
@@ -208,13 +198,7 @@ class WsFwdSm90:
         return tiled_mma_qk, tiled_mma_pv, tiled_mma_sum, tiled_mma_qk_half
 
     def _smem_layout(self, rows: int, stages: int | None = None, cols: int | None = None):
-        cols = self.head_dim if cols is None else cols
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
-        )
-        if stages is None:
-            return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+        return smem_layout(self.dtype, rows, self.head_dim if cols is None else cols, stages)
 
     @cute.jit
     def __call__(
@@ -1329,10 +1313,7 @@ class WsFwdSm90:
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wtid = tidx % WARPGROUP
         # The accumulator of one 64 x o_cols block, as a single-warpgroup GEMM would hold it.
-        slot_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.o_cols),
-        )  # fmt: skip
+        slot_mma = tiled_mma_64(self.dtype, OperandMajorMode.K, self.o_cols)
         smem_copy_O = stmatrix_copy(self.dtype, slot_mma, wtid)
         sO_wg = sO[None, None, wg]
         tOsO = smem_copy_O.partition_D(sO_wg)
