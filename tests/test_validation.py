@@ -152,10 +152,11 @@ def test_variant_rejected_by_config():
 
 
 def test_auto_paper_tile_for_short_problems():
-    # 64x64 for d = 64 causal up to 1024 keys (four CTAs per SM; measured faster there), the
-    # table's tile else; 1025 keys take the ws kernel anyway.
+    # 64x64 for d = 64 causal up to 1024 keys (four CTAs per SM) and 64x128 non-causal up to 512
+    # (each measured faster there), the table's tile else; 1025 keys take the ws kernel anyway.
     assert auto_paper_tile(64, True, 512) == (64, 64) and auto_paper_tile(64, True, 1024) == (64, 64)
-    assert auto_paper_tile(64, True, 1025) is None and auto_paper_tile(64, False, 512) is None
+    assert auto_paper_tile(64, True, 1025) is None and auto_paper_tile(64, False, 1024) is None
+    assert auto_paper_tile(64, False, 512) == (64, 128) and auto_paper_tile(64, False, 513) is None
     assert auto_paper_tile(128, True, 256) is None and auto_paper_tile(256, True, 512) is None
     assert auto_variant(64, True, 1024) == "paper" and auto_variant(64, True, 1025) == "ws"
 
@@ -200,12 +201,15 @@ def test_split_o_where_a_whole_o_buffer_does_not_fit():
         with pytest.raises(ValueError, match="row-sum block of ones"):
             check_fits_ws(256, 128, tile_n, mma_rowsum=True)
     # What flash_attn_func resolves: no variant, no tile -> the paper kernel there (its short
-    # causal tile, 64x64; 128x128 non-causal); ws asked for without a tile -> ws at 128x128; a
-    # tile asked for is kept.
+    # causal tile, 64x64; non-causal 64x128 up to 512 keys, the table's 128x128 above); ws asked
+    # for without a tile -> ws at 128x128; a tile asked for is kept.
     q = torch.zeros(1, 512, 2, 64, dtype=torch.float16)
     cfg = interface._validate(q, q, q, None, True, None, None)[1]
     assert (cfg.variant, cfg.tile) == ("paper", (64, 64))
     cfg = interface._validate(q, q, q, None, False, None, None)[1]
+    assert (cfg.variant, cfg.tile) == ("paper", (64, 128))
+    q1k = torch.zeros(1, 1024, 2, 64, dtype=torch.float16)
+    cfg = interface._validate(q1k, q1k, q1k, None, False, None, None)[1]
     assert (cfg.variant, cfg.tile) == ("paper", (128, 128))
     assert interface._validate(q, q, q, None, True, "paper", (128, 128))[1].tile == (128, 128)
     cfg = interface._validate(q, q, q, None, True, "ws", None)[1]

@@ -368,7 +368,12 @@ WS_SHORT_TILE = {
 # vs 0.401 Mcyc. S and O take 32 + 32 registers per thread instead of 128 + 64 (99 in all, not
 # 255), so four CTAs share an SM instead of two and hide each other's per-tile latency (loads,
 # first softmax, epilogue) at 1-16 key blocks per tile; 128x64 (0.151) and 64x128 (0.144) lose.
-PAPER_SHORT_TILE = {(64, True): (1024, (64, 64))}
+# d = 64 non-causal up to 512 keys: 64x128 (v12, same probe, `2026-11-21-h200-v12/
+# power-d64nc-paper-tiles.txt`, 64x128 vs 128x128 (cuDNN)): N = 512 bf16 0.1883-0.1889 vs 0.1914
+# (0.1929-0.1931), 0.283 vs 0.339 Mcyc; fp16 0.1931-0.1939 vs 0.1971-0.1978 (0.1985-0.1995). At
+# N = 1024 it still takes 12% fewer cycles but runs 0.7-1.3% slower in ms (0.3374-0.3380 vs
+# 0.3331-0.3352 bf16) at the power cap, so 128x128 stays there; 64x64 loses at both (0.195, 0.351).
+PAPER_SHORT_TILE = {(64, True): (1024, (64, 64)), (64, False): (512, (64, 128))}
 
 
 def _short_tile(table: dict, head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
