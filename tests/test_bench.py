@@ -296,6 +296,31 @@ def _synthetic() -> dict:
     return results
 
 
+def test_source_digest_names_the_code(tmp_path):
+    # Over every .py file below the root, by relative path and content, so a copy of the tree
+    # without its git history still says which code ran.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    (tmp_path / "notes.txt").write_text("not code")
+    first = runner.source_digest(tmp_path)
+    assert len(first) == 12 and int(first, 16) >= 0 and runner.source_digest(tmp_path) == first
+    (tmp_path / "notes.txt").write_text("changed, still not code")
+    assert runner.source_digest(tmp_path) == first
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    changed = runner.source_digest(tmp_path)
+    assert changed != first
+    (tmp_path / "sub" / "b.py").rename(tmp_path / "b.py")
+    assert runner.source_digest(tmp_path) not in (first, changed)
+    # The package's own digest, recorded with every run and shown beside the git commit.
+    assert runner.source_digest() == runner.source_digest() and len(runner.source_digest()) == 12
+    results = _synthetic()
+    results["env"].update(git="85ab35a-dirty", sources=first)
+    assert f"hopper-fmha 0.1.0 (git 85ab35a-dirty, sources {first})" in report.render_markdown(results)
+    del results["env"]["git"]
+    assert f"hopper-fmha 0.1.0 (sources {first})" in report.render_markdown(results)
+
+
 def test_json_round_trip_and_markdown_ratios(tmp_path):
     results = _synthetic()
     stem = report.output_stem(results)

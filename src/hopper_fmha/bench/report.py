@@ -348,7 +348,9 @@ def _env_lines(results: dict) -> list[str]:
         dev += f" (sm {env['capability']}, {env.get('sm_count')} SMs, {env.get('memory_gib')} GiB"
         dev += f", L2 {l2 / 2**20:.0f} MiB)" if l2 else ")"
     versions = [f"torch {env.get('torch')}", f"CUDA {env.get('cuda')}", f"cuDNN {env.get('cudnn')}"]
-    versions += [f"hopper-fmha {env.get('hopper-fmha')}" + (f" (git {env['git']})" if env.get("git") else "")]
+    code = [f"git {env['git']}"] if env.get("git") else []
+    code += [f"sources {env['sources']}"] if env.get("sources") else []
+    versions += [f"hopper-fmha {env.get('hopper-fmha')}" + (f" ({', '.join(code)})" if code else "")]
     versions += [f"{k} {v}" for k, v in env.get("versions", {}).items()]
     lines = [
         f"- date: {env.get('date')}",

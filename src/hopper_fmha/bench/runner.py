@@ -19,6 +19,7 @@ output's largest value (eps(dtype) * max|ref|).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.metadata
 import platform
@@ -101,6 +102,18 @@ def _own_version() -> str | None:
         return None
 
 
+def source_digest(root: Path | None = None) -> str:
+    """The first 12 hex digits of a sha256 over the package's Python sources (relative path, then
+    bytes, in path order). It names the code a result was measured with where git cannot: a copy of
+    the tree whose `.git` is missing or stale, as on a machine the tree is shipped to."""
+    root = root or Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def collect_env(device: str) -> dict:
     import torch
 
@@ -111,6 +124,7 @@ def collect_env(device: str) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "hopper-fmha": _own_version(),
+        "sources": source_digest(),
         "versions": {d: v for d in PEER_DISTRIBUTIONS if (v := _version(d))},
         "device": "cpu",
         "device_slug": "cpu",
