@@ -30,18 +30,13 @@ for variant, ctas in runs:
             q = torch.randn(1, 250, 4, d, device="cuda", dtype=torch.float16)
             k = torch.randn(1, 517, 2, d, device="cuda", dtype=torch.float16)
             v = torch.randn(1, 517, 2, d, device="cuda", dtype=torch.float16)
-            # The tile picked for these 517 keys and, where that is a short-problem tile (ws
-            # d = 256: O through per-warpgroup buffers; paper d = 64 causal: 64x64), the table's too;
-            # a paper short tile picked only below 517 keys (d = 64 non-causal: 64x128) as well.
-            tiles = [None]
-            if variant == "ws" and config.auto_ws_tile(d, causal, k.shape[1]) is not None:
-                tiles.append(config.WS_TILE_TABLE[d].tile)
-            if variant == "paper":
-                short = config.auto_paper_tile(d, causal, 1)
-                if config.auto_paper_tile(d, causal, k.shape[1]) is not None:
-                    tiles.append(config.PAPER_TILE_TABLE[d])
-                elif short is not None:
-                    tiles.append(short)
+            # The tile picked for these 517 keys, and the table's and a short problem's where they
+            # differ from it (ws d = 256: O through per-warpgroup buffers at 128x64; paper d = 64:
+            # 64x64 causal, 64x128 non-causal below 513 keys; ws d = 64 causal: 128x128).
+            table = config.select_config(d, variant).tile
+            picked = config.auto_tile(variant, d, causal, k.shape[1]) or table
+            shortest = config.auto_tile(variant, d, causal, 1) or table
+            tiles = [None] + sorted({table, shortest} - {picked})
             for tile in tiles:
                 out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, variant=variant, tile=tile)
                 ref, _ = reference(q, k, v, causal=causal)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hopper_fmha import config, flash_attn_func, interface
-from hopper_fmha.config import auto_paper_tile, auto_variant, auto_ws_tile, select_config
+from hopper_fmha.config import auto_paper_tile, auto_tile, auto_variant, auto_ws_tile, select_config
 from hopper_fmha.reference import reference
 
 pytestmark = pytest.mark.cpu
@@ -159,6 +159,9 @@ def test_auto_paper_tile_for_short_problems():
     assert auto_paper_tile(64, False, 512) == (64, 128) and auto_paper_tile(64, False, 513) is None
     assert auto_paper_tile(128, True, 256) is None and auto_paper_tile(256, True, 512) is None
     assert auto_variant(64, True, 1024) == "paper" and auto_variant(64, True, 1025) == "ws"
+    # auto_tile serves both variants; an unknown one gets no tile (select_config names the rule).
+    assert auto_tile("paper", 64, False, 512) == (64, 128) and auto_tile("ws", 64, True, 512) == (128, 128)
+    assert auto_tile("fa3", 64, True, 512) is None
 
 
 def test_auto_ws_tile_for_short_problems():
@@ -299,8 +302,7 @@ def test_outputs_and_launch_arguments(cpu_kernel, causal):
     assert launch["softmax_scale"] == 64**-0.5 and launch["causal"] is causal
     # No variant asked for: the one auto_variant picks for this (short) problem, at its tile.
     variant = auto_variant(64, causal, k.shape[1])
-    short = auto_ws_tile if variant == "ws" else auto_paper_tile
-    tile = short(64, causal, k.shape[1])
+    tile = auto_tile(variant, 64, causal, k.shape[1])
     assert launch["cfg"] == select_config(64, variant, tile)
     assert launch["q"] is q  # conforming inputs are passed through, not copied
     assert torch.equal(flash_attn_func(q, k, v, causal=causal), out)

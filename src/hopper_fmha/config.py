@@ -376,19 +376,22 @@ WS_SHORT_TILE = {
 PAPER_SHORT_TILE = {(64, True): (1024, (64, 64)), (64, False): (512, (64, 128))}
 
 
-def _short_tile(table: dict, head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
+def auto_tile(variant: str, head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
+    """The tile a problem runs on when none is asked for: the variant's short-problem tile
+    (`PAPER_SHORT_TILE`, `WS_SHORT_TILE`) up to its key length, else None (the table's)."""
+    table = PAPER_SHORT_TILE if variant == "paper" else WS_SHORT_TILE if variant == "ws" else {}
     found = table.get((head_dim, causal))
     return found[1] if found is not None and seqlen_k <= found[0] else None
 
 
 def auto_paper_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
-    """The paper tile for a problem when no tile is asked for: None means the table's."""
-    return _short_tile(PAPER_SHORT_TILE, head_dim, causal, seqlen_k)
+    """`auto_tile` for the paper variant."""
+    return auto_tile("paper", head_dim, causal, seqlen_k)
 
 
 def auto_ws_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
-    """The ws tile for a problem when no tile is asked for: None means the table's."""
-    return _short_tile(WS_SHORT_TILE, head_dim, causal, seqlen_k)
+    """`auto_tile` for the ws variant."""
+    return auto_tile("ws", head_dim, causal, seqlen_k)
 
 
 def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int) -> KernelConfig:

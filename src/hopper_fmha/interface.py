@@ -50,7 +50,7 @@ def flash_attn_func(
         variant: kernel variant (see `hopper_fmha.config.VARIANTS`); None picks per problem
             (`hopper_fmha.config.auto_variant`; "ws" when a tile is given).
         tile: optional (tile_m, tile_n) override, for tests and benchmarks; None takes the
-            problem's (`hopper_fmha.config.auto_ws_tile` / `auto_paper_tile`), else the table's.
+            problem's (`hopper_fmha.config.auto_tile`), else the table's.
 
     Returns:
         out: same shape and dtype as q, contiguous. With return_lse, (out, lse) where lse is
@@ -125,10 +125,8 @@ def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, con
         if not isinstance(tile, (tuple, list)):
             raise ValueError(f"tile must be a pair of ints (tile_m, tile_n), got {tile!r}")
         tile = tuple(tile)
-    elif variant == "ws":
-        tile = config.auto_ws_tile(head_dim, causal, k.shape[1])
-    elif variant == "paper":
-        tile = config.auto_paper_tile(head_dim, causal, k.shape[1])
+    else:
+        tile = config.auto_tile(variant, head_dim, causal, k.shape[1])
     # Under torch.compile, call the uncached function: dynamo traces through lru_cache anyway
     # and warns about it on every compile.
     select = config.select_config.__wrapped__ if torch.compiler.is_compiling() else config.select_config
