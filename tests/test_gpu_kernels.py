@@ -285,6 +285,34 @@ def test_ws_split_o(hopper_gpu, monkeypatch, dtype, ws, causal, schedule, seqlen
     assert_close_to_reference(q, k, v, scale, causal, out, lse)
 
 
+# The table releases Q's buffer right after a tile's last GEMM-I (release_q_at_qk); here the
+# release after the tile's last GEMM-II, as before, on many tiles per CTA and on tiles whose rows
+# see no key (239 x 1 causal: nothing of Q is read, the release still happens once per tile).
+RELEASE_SEQLENS = [(239, 1), (113, 203), (1023, 1024), (4224, 4224)]
+
+
+@pytest.mark.parametrize("seqlens", RELEASE_SEQLENS, ids=[f"{a}x{b}" for a, b in RELEASE_SEQLENS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "ws", [(64, None), (128, None), (256, (128, 64))], ids=["d64", "d128", "d256-128x64"]
+)
+@pytest.mark.parametrize("release_at_qk", [False, True], ids=["after-pv", "after-qk"])
+def test_ws_q_release(hopper_gpu, monkeypatch, release_at_qk, ws, causal, seqlens):
+    from hopper_fmha import kernels
+
+    monkeypatch.setattr(kernels, "SCHEDULE", "persistent")
+    monkeypatch.setattr(kernels, "PERSISTENT_CTAS", 3)
+    d, tile = ws
+    cfg = dataclasses.replace(config.select_config(d, "ws", tile), release_q_at_qk=release_at_qk)
+    sq, sk = seqlens
+    q, k, v = make_inputs(
+        2, sq, sk, 6, 2, d, torch.bfloat16, seed=hash(("relq", ws, causal, seqlens)) % 2**31
+    )
+    scale = config.default_softmax_scale(d)
+    out, lse = run_kernel(q, k, v, scale, causal, cfg)
+    assert_close_to_reference(q, k, v, scale, causal, out, lse)
+
+
 def max_jumps(q, k, scale, causal, tile_n, threshold=8.0):
     """Rows whose running max, over key blocks in the ws kernel's order (last block first), grows
     by more than `threshold` log2 units at some block after the first block with a visible key."""

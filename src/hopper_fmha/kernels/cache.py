@@ -41,6 +41,7 @@ class KernelKey(NamedTuple):
     split_o: bool = False
     mma_rowsum: bool = False
     causal_trim: bool = False
+    release_q_at_qk: bool = False
 
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
@@ -59,6 +60,7 @@ class KernelKey(NamedTuple):
             slug += "_splitO" if self.split_o else ""
             slug += "_msum" if self.mma_rowsum else ""
             slug += "_trim" if self.causal and self.causal_trim else ""
+            slug += "_relq" if self.release_q_at_qk else ""
         return slug
 
 

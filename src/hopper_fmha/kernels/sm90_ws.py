@@ -32,6 +32,9 @@ has grown past it by more than RESCALE_THRESHOLD (8, log2 units; P stays below 2
 first blocks O's rescale is mostly a skipped branch. `mma_rowsum` (d = 64 non-causal): P's row
 sums come from a 64x8 GEMM of P against ones, issued with GEMM-II, instead of adds in the softmax.
 `intra_wg_overlap=False` gives the plain loop (GEMM-I, softmax, GEMM-II, each waited).
+`release_q_at_qk`: the consumers release Q's buffer right after the tile's last GEMM-I (block 0's),
+not after its last GEMM-II, so the next tile's Q loads beside block 0's softmax, GEMM-II and
+the epilogue (where O has a buffer of its own or per warpgroup).
 `causal_trim` (d = 256 causal): a consumer warpgroup issues no MMAs for a key block past all of its
 rows, and only half of them where the block's second half is (`keys_seen`).
 
@@ -111,6 +114,7 @@ class WsFwdSm90:
         split_o: bool = False,
         mma_rowsum: bool = False,
         causal_trim: bool = False,
+        release_q_at_qk: bool = False,
     ):
         assert head_dim in (64, 128, 256)
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
@@ -176,6 +180,11 @@ class WsFwdSm90:
         self.o_cols = min(head_dim, 128)
         self.separate_o = not split_o and fits == "own"
         self.early_q_release = self.separate_o or split_o
+        # release_q_at_qk (overlapped loop): the consumers release Q's buffer in the block step
+        # whose GEMM-I is the tile's last (block 0), right after it completes, instead of after
+        # the tile's last GEMM-II: the next tile's Q load then has block 0's softmax and GEMM-II
+        # and the epilogue to arrive in.
+        self.release_q_at_qk = release_q_at_qk and self.early_q_release and intra_wg_overlap
         o_buffer = "own" if self.separate_o else "split" if split_o else "q"
         self.smem_bytes = ws_smem_bytes(
             head_dim, tile_m, tile_n, num_stages, dtype.width // 8, mma_rowsum, o_buffer
@@ -771,7 +780,7 @@ class WsFwdSm90:
                 acc_shape_S_half=acc_shape_S_half, acc_O=acc_O, tOrP_acc=tOrP_acc, tOrP=tOrP, row_max=row_max,
                 row_sum=row_sum, o_scale=o_scale, tScS_mn=tScS_mn, pipeline_k=pipeline_k,
                 pipeline_v=pipeline_v, scale_log2=scale_log2, m_block=m_block, seqlen_q=seqlen_q,
-                seqlen_k=seqlen_k, wg=wg,
+                seqlen_k=seqlen_k, wg=wg, mbar_Q_empty=mbar_Q_empty,
             )  # fmt: skip
             cute.arch.mbarrier_wait(mbar_Q, q_phase)
             q_phase = q_phase ^ 1
@@ -808,9 +817,13 @@ class WsFwdSm90:
                         )
                     self.pingpong_pass(wg)
             if const_expr(self.early_q_release):
-                # Every GEMM-I of this warp has completed: Q's buffer may take the next tile.
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(mbar_Q_empty)
+                # Every GEMM-I of this warp has completed: Q's buffer may take the next tile
+                # (release_q_at_qk: block 0's step has released it, unless the tile had no block).
+                if const_expr(self.release_q_at_qk):
+                    if n_max <= 0:
+                        self.release_q(mbar_Q_empty)
+                else:
+                    self.release_q(mbar_Q_empty)
             if const_expr(self.mma_rowsum):
                 acc_sum_mn = cute.make_tensor(acc_sum.iterator, acc_mn_layout(acc_sum.layout))
                 for r in cutlass.range_constexpr(rows_per_thread):
@@ -852,6 +865,7 @@ class WsFwdSm90:
     ):
         """Overlapped loop, first half: S of the last block, its mask and softmax, P (no GEMM-II yet)."""
         acc_S, k_state = self.qk_waited(k_state, True, c, n_block)
+        self.release_q_after(n_block, c)
         self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
         self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, True)
         convert(acc_S, c.tOrP_acc)
@@ -915,6 +929,7 @@ class WsFwdSm90:
         self.pingpong_pass(c.wg)
         warpgroup.wait_group(1)  # GEMM-I done, GEMM-II may still run
         c.pipeline_k.consumer_release(k_state)
+        self.release_q_after(n_block, c)
         if const_expr(advance):
             k_state.advance()
         if const_expr(masked):
@@ -928,6 +943,20 @@ class WsFwdSm90:
         if const_expr(advance):
             v_state.advance()
         self.finish_p(acc_S, row_scale, rescale, c)
+
+    @cute.jit
+    def release_q(self, mbar_Q_empty: cute.Pointer):
+        """This warp has read Q's buffer for the last time this tile (one arrive per warp)."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(mbar_Q_empty)
+
+    @cute.jit
+    def release_q_after(self, n_block: Int32, c: SimpleNamespace):
+        """release_q_at_qk: called once GEMM-I of n_block has completed; block 0's is the tile's
+        last (blocks run from the last down to 0), so Q's buffer is released there."""
+        if const_expr(self.release_q_at_qk):
+            if n_block == 0:
+                self.release_q(c.mbar_Q_empty)
 
     @cute.jit
     def finish_p(self, acc_S: cute.Tensor, row_scale: cute.Tensor, rescale, c: SimpleNamespace):
@@ -964,6 +993,7 @@ class WsFwdSm90:
         self.gemm_pv_keys(v_state.index, pv_keys, c)
         self.pingpong_pass(c.wg)
         c.pipeline_k.consumer_release(k_state)
+        self.release_q_after(n_block, c)
         if const_expr(masked):
             self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
         row_scale, rescale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, False)
