@@ -65,10 +65,10 @@ def sw(name):
         return dict(intra_wg_overlap=False)
     if name.startswith("x") and name[1:].isdigit():
         return dict(ctas_per_sm=int(name[1:]))
+    if name.startswith("q") and name[1:].isdigit():
+        return dict(q_stages=int(name[1:]))
     if name == "relq":
         return dict(release_q_at_qk=True)
-    if name == "tov":
-        return dict(overlap_tiles=True)
     if name == "sO":
         return dict(split_o=True)
     if name.startswith("s") and name[1:].isdigit():
