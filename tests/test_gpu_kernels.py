@@ -216,7 +216,7 @@ def test_ws_other_tiles(hopper_gpu, tile, causal):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("problem", sorted(config.WS_SHORT_TILE), ids=str)
 def test_ws_short_tiles(hopper_gpu, problem, dtype):
-    """The tiles `auto_ws_tile` picks for short problems, in both dtypes, on tail shapes."""
+    """The tiles `auto_tile` picks for the ws variant for short problems, in both dtypes, on tail shapes."""
     d, causal = problem
     max_seqlen_k, tile = config.WS_SHORT_TILE[problem]
     cfg = config.select_config(d, "ws", tile)
@@ -349,7 +349,7 @@ def test_ws_lazy_rescale(hopper_gpu, dtype, d, causal, pattern):
     out, lse = hopper_fmha.flash_attn_func(
         q, k, v, softmax_scale=scale, causal=causal, return_lse=True, variant="ws"
     )
-    tile_n = config.select_config(d, "ws", config.auto_ws_tile(d, causal, k.shape[1])).tile_n
+    tile_n = config.select_config(d, "ws", config.auto_tile("ws", d, causal, k.shape[1])).tile_n
     assert max_jumps(q, k, scale, causal, tile_n) > 0, "the inputs do not exercise the rescale"
     assert_close_to_reference(q, k, v, scale, causal, out, lse)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hopper_fmha import config, flash_attn_func, interface
-from hopper_fmha.config import auto_paper_tile, auto_tile, auto_variant, auto_ws_tile, select_config
+from hopper_fmha.config import auto_tile, auto_variant, select_config
 from hopper_fmha.reference import reference
 
 pytestmark = pytest.mark.cpu
@@ -151,27 +151,26 @@ def test_variant_rejected_by_config():
         flash_attn_func(q, k, v, variant="fa3")
 
 
-def test_auto_paper_tile_for_short_problems():
+def test_auto_tile_paper_for_short_problems():
     # 64x64 for d = 64 causal up to 1024 keys (four CTAs per SM) and 64x128 non-causal up to 512
     # (each measured faster there), the table's tile else; 1025 keys take the ws kernel anyway.
-    assert auto_paper_tile(64, True, 512) == (64, 64) and auto_paper_tile(64, True, 1024) == (64, 64)
-    assert auto_paper_tile(64, True, 1025) is None and auto_paper_tile(64, False, 1024) is None
-    assert auto_paper_tile(64, False, 512) == (64, 128) and auto_paper_tile(64, False, 513) is None
-    assert auto_paper_tile(128, True, 256) is None and auto_paper_tile(256, True, 512) is None
+    assert auto_tile("paper", 64, True, 512) == (64, 64) and auto_tile("paper", 64, True, 1024) == (64, 64)
+    assert auto_tile("paper", 64, True, 1025) is None and auto_tile("paper", 64, False, 1024) is None
+    assert auto_tile("paper", 64, False, 512) == (64, 128) and auto_tile("paper", 64, False, 513) is None
+    assert auto_tile("paper", 128, True, 256) is None and auto_tile("paper", 256, True, 512) is None
     assert auto_variant(64, True, 1024) == "paper" and auto_variant(64, True, 1025) == "ws"
-    # auto_tile serves both variants; an unknown one gets no tile (select_config names the rule).
-    assert auto_tile("paper", 64, False, 512) == (64, 128) and auto_tile("ws", 64, True, 512) == (128, 128)
+    # An unknown variant gets no tile (select_config names the rule).
     assert auto_tile("fa3", 64, True, 512) is None
 
 
-def test_auto_ws_tile_for_short_problems():
+def test_auto_tile_ws_for_short_problems():
     # 128x128 for d = 64 causal up to 1024 keys, 128x64 for d = 256 up to 1024 keys (causal:
     # 2048) (measured faster there), the table's tile else.
-    assert auto_ws_tile(64, True, 512) == (128, 128) and auto_ws_tile(64, True, 1024) == (128, 128)
-    assert auto_ws_tile(64, True, 1025) is None and auto_ws_tile(64, False, 512) is None
-    assert auto_ws_tile(128, True, 512) is None and auto_ws_tile(128, False, 512) is None
-    assert auto_ws_tile(256, False, 1024) == (128, 64) and auto_ws_tile(256, False, 1025) is None
-    assert auto_ws_tile(256, True, 2048) == (128, 64) and auto_ws_tile(256, True, 2049) is None
+    assert auto_tile("ws", 64, True, 512) == (128, 128) and auto_tile("ws", 64, True, 1024) == (128, 128)
+    assert auto_tile("ws", 64, True, 1025) is None and auto_tile("ws", 64, False, 512) is None
+    assert auto_tile("ws", 128, True, 512) is None and auto_tile("ws", 128, False, 512) is None
+    assert auto_tile("ws", 256, False, 1024) == (128, 64) and auto_tile("ws", 256, False, 1025) is None
+    assert auto_tile("ws", 256, True, 2048) == (128, 64) and auto_tile("ws", 256, True, 2049) is None
 
 
 def test_split_o_where_a_whole_o_buffer_does_not_fit():

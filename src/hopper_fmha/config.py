@@ -403,16 +403,6 @@ def auto_tile(variant: str, head_dim: int, causal: bool, seqlen_k: int) -> tuple
     return found[1] if found is not None and seqlen_k <= found[0] else None
 
 
-def auto_paper_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
-    """`auto_tile` for the paper variant."""
-    return auto_tile("paper", head_dim, causal, seqlen_k)
-
-
-def auto_ws_tile(head_dim: int, causal: bool, seqlen_k: int) -> tuple[int, int] | None:
-    """`auto_tile` for the ws variant."""
-    return auto_tile("ws", head_dim, causal, seqlen_k)
-
-
 def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int) -> KernelConfig:
     """A ws `cfg` as launched on a problem: causal launches take `WS_CAUSAL_SWITCHES`, and CTA
     pairs (`cluster_m`) run only where they apply.
