@@ -13,6 +13,7 @@ from hopper_fmha.config import PAPER_TILES, SUPPORTED_HEAD_DIMS, check_fits, fit
 from hopper_fmha.kernels.cache import KernelKey
 from hopper_fmha.kernels.inspect import inspect_kernel
 from hopper_fmha.kernels.layouts import PAPER_LISTING, layout_values, paper_layouts, parse_layout
+from hopper_fmha.kernels.sm90_paper import CTAS_PER_SM
 
 pytestmark = pytest.mark.compile
 
@@ -82,3 +83,20 @@ def test_layouts_command(capsys):
     for name in ("tSrS", "tOrS", "tOrPLayout"):
         assert out.count(name) == len(PAPER_LISTING), out
     assert "DIFFERENT" not in out
+
+
+@pytest.mark.parametrize(
+    "shape", sorted(CTAS_PER_SM), ids=lambda s: f"d{s[0]}_{s[1]}x{s[2]}_{'causal' if s[3] else 'full'}"
+)
+def test_ctas_per_sm_target_fits(shape, record_property):
+    """A kernel compiled for k CTAs per SM allocates at most 65536 / (128 k) registers per thread
+    (in steps of 8), without spilling: the launch bound reached ptxas."""
+    head_dim, tile_m, tile_n, causal = shape
+    ctas = CTAS_PER_SM[shape]
+    row = inspected(KernelKey("bfloat16", head_dim, tile_m, tile_n, causal, "paper"))
+    record_property("kernel_resources", row)
+    allocated = -(-row["registers"] // 8) * 8
+    assert allocated * 128 * ctas <= 65536, (
+        f"{row['registers']} registers: {ctas} CTAs of 128 threads do not fit"
+    )
+    assert row["stack_bytes"] == 0 and row["ldl"] == 0 and row["stl"] == 0, "registers spill"

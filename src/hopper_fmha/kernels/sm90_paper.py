@@ -50,6 +50,18 @@ from .sm90_common import (
 )
 
 NUM_THREADS = 128
+
+# CTAs per SM a kernel is compiled for, where that is more than its registers allow uncapped:
+# (head_dim, tile_m, tile_n, causal) -> CTAs. The launch then asks for at least that many CTAs
+# per SM and ptxas caps the registers to fit (65536 / (128 * CTAs), in steps of 8). Kept here,
+# not in `config`, so that the kernel cache's fingerprint (this package's sources) changes with it.
+# d = 64 causal 64x64 (`config.PAPER_SHORT_TILE`): 99 registers fit four CTAs; compiled for five
+# it takes 94, without spills, and runs 5-8% fewer cycles per call and 1.6-3.3% less time at the
+# power cap (v14, sustained, ms, four vs five CTAs (cuDNN), `bench/results/2026-11-21-h200-v14/
+# power-d64-paper-5ctas.txt`): N = 1024 bf16 0.2147 vs 0.2088 (0.2175), fp16 0.2222 vs 0.2187
+# (0.2248); N = 512 bf16 0.1328 vs 0.1284 (0.1388), fp16 0.1373 vs 0.1336 (0.1435). Six CTAs
+# (80 registers) do not compile.
+CTAS_PER_SM = {(64, 64, 64, True): 5}
 # Named barrier 0 is __syncthreads; the main loop uses its own id.
 BARRIER_MAINLOOP = 1
 
@@ -60,6 +72,7 @@ class PaperFwdSm90:
     def __init__(self, dtype, head_dim: int, tile_m: int, tile_n: int, causal: bool):
         assert head_dim in (64, 128, 256)
         assert tile_m in (64, 128) and tile_n in (64, 128)
+        self.ctas_per_sm = CTAS_PER_SM.get((head_dim, tile_m, tile_n, causal), 0)
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
@@ -146,7 +159,15 @@ class PaperFwdSm90:
             tiled_mma_pv,
             tiled_mma_qk_half,
             SharedStorage,
-        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, **self._occupancy())
+
+    def _occupancy(self) -> dict:
+        """Launch options for `ctas_per_sm` (`CTAS_PER_SM`). A shared-memory carveout is passed
+        (-1: the driver's default) because without one the DSL asks the device for its shared
+        memory per SM, which fails where there is no GPU (the compile tier)."""
+        if self.ctas_per_sm <= 1:
+            return {}
+        return {"min_blocks_per_mp": self.ctas_per_sm, "preferred_smem_carveout": -1}
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
