@@ -385,8 +385,9 @@ WS_SHORT_TILE = {
 # power-d64-paper-tiles.txt`): N = 512 bf16 0.1335 vs 0.1401 (0.1396), 0.224 vs 0.264 Mcyc;
 # fp16 0.1381 vs 0.1440 (0.1438); N = 1024 bf16 0.2133-0.2156 vs 0.2162-0.2173 (0.2170), 0.360
 # vs 0.401 Mcyc. S and O take 32 + 32 registers per thread instead of 128 + 64 (99 in all, not
-# 255), so four CTAs share an SM instead of two and hide each other's per-tile latency (loads,
-# first softmax, epilogue) at 1-16 key blocks per tile; 128x64 (0.151) and 64x128 (0.144) lose.
+# 255), so four CTAs share an SM instead of two (five since v14: `sm90_paper.CTAS_PER_SM`) and
+# hide each other's per-tile latency (loads, first softmax, epilogue) at 1-16 key blocks per
+# tile; 128x64 (0.151) and 64x128 (0.144) lose.
 # d = 64 non-causal up to 512 keys: 64x128 (v12, same probe, `2026-11-21-h200-v12/
 # power-d64nc-paper-tiles.txt`, 64x128 vs 128x128 (cuDNN)): N = 512 bf16 0.1883-0.1889 vs 0.1914
 # (0.1929-0.1931), 0.283 vs 0.339 Mcyc; fp16 0.1931-0.1939 vs 0.1971-0.1978 (0.1985-0.1995). At

@@ -82,7 +82,8 @@ def register(subparsers) -> argparse.ArgumentParser:
         "--steady-ms",
         type=float,
         help="run each timing block this long untimed first, so every kernel is timed at the clock "
-        "its own power draw settles to (default 0; 300 suits a power-capped card)",
+        "its own power draw settles to (default 0; 300 suits a power-capped card at N >= 2048; "
+        "short problems need ~1500 for the block order not to matter, NOTES.md v14)",
     )
     how.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     how.add_argument("--quick", action="store_true", help="few iterations: a smoke test, not a measurement")

@@ -51,7 +51,9 @@ class TimingSettings:
     settle_rounds: int = 1
     # Untimed GPU time at the start of every block: under a power cap the clock follows the
     # running kernel's draw with a lag of tens of ms, so short blocks are timed partly at the
-    # clock the previous backend left. 0 keeps blocks short (the default).
+    # clock the previous backend left. 0 keeps blocks short (the default). After a switch to a
+    # kernel with a different draw per cycle the clock swings for longer (NOTES.md v14: at
+    # N <= 1024, 300 ms left a 2.5-3% first-block effect, 1500 ms none).
     steady_ms: float = 0.0
 
     @classmethod
