@@ -152,7 +152,7 @@ def test_variant_rejected_by_config():
 
 
 def test_auto_tile_paper_for_short_problems():
-    # 64x64 for d = 64 causal up to 1024 keys (four CTAs per SM) and 64x128 non-causal up to 512
+    # 64x64 for d = 64 causal up to 1024 keys (five CTAs per SM) and 64x128 non-causal up to 512
     # (each measured faster there), the table's tile else; 1025 keys take the ws kernel anyway.
     assert auto_tile("paper", 64, True, 512) == (64, 64) and auto_tile("paper", 64, True, 1024) == (64, 64)
     assert auto_tile("paper", 64, True, 1025) is None and auto_tile("paper", 64, False, 1024) is None
@@ -199,6 +199,12 @@ def test_split_o_where_a_whole_o_buffer_does_not_fit():
     assert ws_smem_bytes(64, 192, 128, 2, mma_rowsum=True) == ws_smem_bytes(64, 192, 128, 2) + 1024
     assert ws_smem_bytes(256, 128, 80, 2, mma_rowsum=True) == SMEM_CAPACITY_BYTES + 1024
     assert ws_o_buffer(64, 192, 128, 2, mma_rowsum=True) == "own"
+    # The table's release of Q after the last GEMM-I holds where O has a buffer of its own or per
+    # warpgroup, and is off (in the config and the kernel key) where O goes out through Q's.
+    assert select_config(256, "ws").release_q_at_qk is False and select_config(256, "ws").tile == (128, 80)
+    assert all(
+        select_config(d, "ws", t).release_q_at_qk for d, t in ((64, None), (128, None), (256, (128, 64)))
+    )
     for tile_n in (80, 96):
         with pytest.raises(ValueError, match="row-sum block of ones"):
             check_fits_ws(256, 128, tile_n, mma_rowsum=True)

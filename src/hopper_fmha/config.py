@@ -453,13 +453,18 @@ def select_config(
         choice = WS_TILE_TABLE[head_dim]
         tile = choice.tile if tile is None else tile
         check_fits_ws(head_dim, *tile, num_stages=choice.num_stages, mma_rowsum=choice.mma_rowsum)
+        switches = {name: getattr(choice, name) for name in WS_SWITCHES if name not in WS_DERIVED_SWITCHES}
+        # Q's buffer can be released after the last GEMM-I only where O does not leave through it
+        # (the kernel ignores the switch there), so the config and its kernel key say so too.
+        if ws_o_buffer(head_dim, tile[0], tile[1], choice.num_stages, mma_rowsum=choice.mma_rowsum) == "q":
+            switches["release_q_at_qk"] = False
         return KernelConfig(
             variant=variant,
             head_dim=head_dim,
             tile_m=tile[0],
             tile_n=tile[1],
             num_threads=128 * (1 + tile[0] // 64),
-            **{name: getattr(choice, name) for name in WS_SWITCHES if name not in WS_DERIVED_SWITCHES},
+            **switches,
             split_o=ws_split_o(head_dim, tile[0], tile[1], choice.num_stages, choice.mma_rowsum),
         )
     if tile is None:
