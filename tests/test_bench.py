@@ -671,9 +671,9 @@ def test_problem_is_timed_in_interleaved_rounds(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     real_block = runner._block
 
-    def block(entry, mode, count, timer, keep=True, steady_ms=0.0):
+    def block(entry, mode, count, timer, keep=True, **kw):
         log.append((entry.backend.name, mode, keep))
-        real_block(entry, mode, count, timer, keep, steady_ms)
+        real_block(entry, mode, count, timer, keep, **kw)
 
     monkeypatch.setattr(runner, "_block", block)
     backends = [
@@ -793,3 +793,54 @@ def test_steady_blocks_run_untimed_first():
     with pytest.raises(ValueError, match="--steady-ms"):
         bench_cli.timing_settings(_parser().parse_args(["bench", "--steady-ms", "-1"]))
     assert steady_text(0) == "" and "300 ms of untimed calls" in steady_text(300.0)
+
+
+def test_blocks_are_timed_until_they_cover_block_ms():
+    from hopper_fmha.bench.report import samples_text
+
+    class Sampler:
+        def __init__(self, calls, ms):
+            self.calls, self.ms, self.taken = calls, ms, 0
+
+        def samples(self, n):
+            self.taken += n
+            return [self.ms] * n
+
+    # 2 calls of 0.5 ms a sample: 12 samples are 12 ms; 12 more at a time until >= 30 ms.
+    s = Sampler(2, 0.5)
+    assert len(timing.timed_samples(s, 12, 30.0)) == 36 and s.taken == 36
+    # Without block_ms, or where the first samples cover it, just `count`.
+    assert len(timing.timed_samples(Sampler(2, 0.5), 12)) == 12
+    assert len(timing.timed_samples(Sampler(1, 5.0), 12, 30.0)) == 12
+    # A timer that reports nothing stops after one more batch instead of looping.
+    assert len(timing.timed_samples(Sampler(1, 0.0), 4, 30.0)) == 4
+    assert timing.TimingSettings().block_ms == 0.0
+    settings = bench_cli.timing_settings(_parser().parse_args(["bench", "--block-ms", "1000"]))
+    assert settings.block_ms == 1000.0
+    with pytest.raises(ValueError, match="--block-ms"):
+        bench_cli.timing_settings(_parser().parse_args(["bench", "--block-ms", "-5"]))
+    assert samples_text(12, 2, 0) == "12 samples per mode and round: median of all 24 samples"
+    assert "cover 1000 ms of GPU time" in samples_text(12, 2, 1000.0)
+
+
+def test_run_problem_passes_block_ms_to_every_block(fake_cuda, monkeypatch):
+    seen = []
+    real_block = runner._block
+
+    def block(entry, mode, count, timer, keep=True, **kw):
+        seen.append(kw)
+        real_block(entry, mode, count, timer, keep, **kw)
+
+    monkeypatch.setattr(runner, "_block", block)
+    sets = runner.make_inputs(SMALL, 2, "cpu", seed=0)
+    settings = timing.TimingSettings(
+        warmup=1, iters=2, min_sample_ms=0.01, max_calls_per_sample=2, rounds=1, settle_rounds=0,
+        steady_ms=0.0, block_ms=5.0,
+    )  # fmt: skip
+    (rec,) = runner.run_problem(
+        SMALL, [_fake("a", runner.lowp_attention)], sets, _checker(SMALL, sets), timing.CudaTimer(),
+        settings, graph=False,
+    )  # fmt: skip
+    assert seen and all(kw == {"steady_ms": 0.0, "block_ms": 5.0} for kw in seen)
+    # The fake timer's samples cover 5 ms only with more than the 2 asked for.
+    assert rec["status"] == "ok" and len(rec["eager"]["samples_ms"]) >= 2

@@ -85,6 +85,13 @@ def register(subparsers) -> argparse.ArgumentParser:
         "its own power draw settles to (default 0; 300 suits a power-capped card at N >= 2048; "
         "short problems need ~1500 for the block order not to matter, NOTES.md v14)",
     )
+    how.add_argument(
+        "--block-ms",
+        type=float,
+        help="time each block until its samples cover this much GPU time (default 0: --iters / "
+        "--rounds samples); the power-capped clock swings with a period near 1 s, so ~1000 averages "
+        "a swing where a few short samples catch one phase of it (NOTES.md v15)",
+    )
     how.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings")
     how.add_argument("--quick", action="store_true", help="few iterations: a smoke test, not a measurement")
     how.add_argument(
@@ -177,12 +184,13 @@ def _select_ours(names: list[str], variant: str | None, tile: str | None) -> lis
 
 def timing_settings(args) -> TimingSettings:
     s = TimingSettings.quick() if args.quick else TimingSettings()
-    keys = ("warmup", "iters", "rounds", "steady_ms")
+    keys = ("warmup", "iters", "rounds", "steady_ms", "block_ms")
     changes = {k: getattr(args, k, None) for k in keys if getattr(args, k, None) is not None}
     if changes.get("iters", 1) < 1 or changes.get("warmup", 0) < 0 or changes.get("rounds", 1) < 1:
         raise ValueError("--iters and --rounds must be at least 1 and --warmup at least 0")
-    if changes.get("steady_ms", 0) < 0:
-        raise ValueError("--steady-ms must be at least 0")
+    for key in ("steady_ms", "block_ms"):
+        if changes.get(key, 0) < 0:
+            raise ValueError(f"--{key.replace('_', '-')} must be at least 0")
     return TimingSettings(**{**s.__dict__, **changes})
 
 

@@ -39,6 +39,16 @@ def steady_text(steady_ms: float) -> str:
     return f", each block after {steady_ms:g} ms of untimed calls of the same backend"
 
 
+def samples_text(per_round: int, rounds: int, block_ms: float) -> str:
+    """The method line's words for the samples of a block (`--block-ms`: more where short)."""
+    if not block_ms:
+        return f"{per_round} samples per mode and round: median of all {per_round * rounds} samples"
+    return (
+        f"{per_round} samples per mode and round, {per_round} more at a time until the block's "
+        f"samples cover {block_ms:g} ms of GPU time: median of all of them"
+    )
+
+
 def settle_text(settle: int) -> str:
     """The method line's words for the untimed rounds after the pre-heat."""
     if not settle:
@@ -374,9 +384,8 @@ def _env_lines(results: dict) -> list[str]:
             f"then, after {s.get('preheat_ms', 0) / 1e3:.2f} s of sustained matmul load"
             f"{settle_text(s.get('settle_rounds', 0))}, all are timed "
             f"in {rounds} interleaved round(s), round-robin (first backend rotating, eager/graph order "
-            f"alternating){steady_text(s.get('steady_ms', 0))}, {per_round} samples per mode and "
-            f"round: median of all "
-            f"{per_round * rounds} samples, CUDA events."
+            f"alternating){steady_text(s.get('steady_ms', 0))}, "
+            f"{samples_text(per_round, rounds, s.get('block_ms', 0))}, CUDA events."
         )
     else:  # results written before rounds existed
         timing = f"Median of {s.get('iters')} samples after {s.get('warmup')} warm-up calls, CUDA events."

@@ -43,6 +43,7 @@ from hopper_fmha.bench.timing import (
     run_untimed,
     summarize,
     time_first_call,
+    timed_samples,
 )
 
 PEER_DISTRIBUTIONS = (
@@ -368,10 +369,19 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
             rec["profile"]["launch_us"] = launch_us(fns, timer)
 
 
-def _block(entry: _Entry, mode: str, count: int, timer, keep: bool = True, steady_ms: float = 0.0) -> None:
-    """One block of samples for one backend in one mode, after `steady_ms` of untimed calls
-    (thrown away unless `keep`: a settling round); a failure drops that mode (eager: the whole
-    backend) and is recorded. Raises CudaContextLost."""
+def _block(
+    entry: _Entry,
+    mode: str,
+    count: int,
+    timer,
+    keep: bool = True,
+    steady_ms: float = 0.0,
+    block_ms: float = 0.0,
+) -> None:
+    """One block of samples for one backend in one mode, after `steady_ms` of untimed calls:
+    `count` samples, more where they cover less than `block_ms` of GPU time (thrown away unless
+    `keep`: a settling round); a failure drops that mode (eager: the whole backend) and is
+    recorded. Raises CudaContextLost."""
     sampler = entry.samplers.get(mode)
     if sampler is None:
         return
@@ -380,7 +390,7 @@ def _block(entry: _Entry, mode: str, count: int, timer, keep: bool = True, stead
         with entry.backend.context():
             if steady_ms > 0:
                 run_untimed(sampler, steady_ms)
-            samples = sampler.samples(count)
+            samples = timed_samples(sampler, count, block_ms)
             if keep:
                 entry.rounds[mode].append(samples)
     except Exception as e:
@@ -453,7 +463,7 @@ def run_problem(
                 for i, mode in blocks:
                     _block(
                         timed[i], mode, settings.per_round, timer, keep=r >= settle,
-                        steady_ms=settings.steady_ms,
+                        steady_ms=settings.steady_ms, block_ms=settings.block_ms,
                     )  # fmt: skip
     except CudaContextLost as e:
         for entry in entries:

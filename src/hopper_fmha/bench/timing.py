@@ -55,6 +55,11 @@ class TimingSettings:
     # kernel with a different draw per cycle the clock swings for longer (NOTES.md v14: at
     # N <= 1024, 300 ms left a 2.5-3% first-block effect, 1500 ms none).
     steady_ms: float = 0.0
+    # Timed GPU time per block, at least: samples are added (per_round at a time) until the
+    # block's samples cover it. Under a power cap the clock swings with a period near a second
+    # (NOTES.md v15); a block's 12 samples of a kernel under 1 ms are one 10-50 ms window of that
+    # swing, and the same cell moved up to 2-4% between two runs. 0: `per_round` samples only.
+    block_ms: float = 0.0
 
     @classmethod
     def quick(cls) -> TimingSettings:
@@ -188,6 +193,18 @@ def run_untimed(sampler, ms: float, batch: int = 8) -> float:
             break
         spent += step
     return spent
+
+
+def timed_samples(sampler, count: int, block_ms: float = 0.0) -> list[float]:
+    """`count` samples of `sampler`, then more, `count` at a time, until they cover `block_ms` of
+    GPU time (per-call ms times calls per sample)."""
+    samples = sampler.samples(count)
+    while block_ms > 0 and sum(samples) * sampler.calls < block_ms:
+        more = sampler.samples(count)
+        if sum(more) <= 0:  # a timer that reports nothing would never get there
+            break
+        samples += more
+    return samples
 
 
 def time_eager(fns: Sequence[Callable[[], object]], timer, s: TimingSettings) -> dict:
