@@ -819,6 +819,15 @@ def test_blocks_are_timed_until_they_cover_block_ms():
     assert settings.block_ms == 1000.0
     with pytest.raises(ValueError, match="--block-ms"):
         bench_cli.timing_settings(_parser().parse_args(["bench", "--block-ms", "-5"]))
+    # Past MAX_RAW_SAMPLES the samples are kept as deciles; median, count and rounds as before.
+    many = [[float(i) for i in range(200)], [float(i) for i in range(200, 400)]]
+    t = timing.summarize([], 1, rounds=many)
+    assert "samples_ms" not in t and t["num_samples"] == 400 and len(t["deciles_ms"]) == 9
+    assert t["median_ms"] == 199.5 and t["round_medians_ms"] == [99.5, 299.5]
+    assert t["deciles_ms"][4] == t["median_ms"]
+    few = timing.summarize([1.0, 2.0, 3.0], 4)
+    assert few["samples_ms"] == [1.0, 2.0, 3.0] and few["num_samples"] == 3 and "deciles_ms" not in few
+    assert report.num_samples(t) == 400 and report.num_samples({"samples_ms": [1.0, 2.0]}) == 2
     assert samples_text(12, 2, 0) == "12 samples per mode and round: median of all 24 samples"
     assert "cover 1000 ms of GPU time" in samples_text(12, 2, 1000.0)
 

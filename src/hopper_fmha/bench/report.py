@@ -39,6 +39,11 @@ def steady_text(steady_ms: float) -> str:
     return f", each block after {steady_ms:g} ms of untimed calls of the same backend"
 
 
+def num_samples(t: dict) -> int:
+    """Samples behind a timing (results written before `num_samples` list every sample)."""
+    return t["num_samples"] if "num_samples" in t else len(t["samples_ms"])
+
+
 def samples_text(per_round: int, rounds: int, block_ms: float) -> str:
     """The method line's words for the samples of a block (`--block-ms`: more where short)."""
     if not block_ms:
@@ -434,9 +439,7 @@ def details_table(results: dict) -> str:
             status += f"; graph n/a: {rec['graph_reason']}"
         re_, rg = rate(rec, "eager"), rate(rec, "graph")
         pct = f"{_fmt(ratio(rg, mm), '.0%')} / {_fmt(ratio(re_, mm), '.0%')}" if mm else MISSING
-        calls = " / ".join(
-            f"{t['calls_per_sample']}×{len(t['samples_ms'])}" if t else MISSING for t in (g, e)
-        )
+        calls = " / ".join(f"{t['calls_per_sample']}×{num_samples(t)}" if t else MISSING for t in (g, e))
         spread = f"{_fmt(round_spread(g), '.1%')} / {_fmt(round_spread(e), '.1%')}"
         rows.append([
             p.label(), rec["backend"], _ms(g), _ms(e), _fmt(rg), _fmt(re_), pct, spread, err, calls,

@@ -124,20 +124,30 @@ def num_input_sets(
     return min(n, max_sets)
 
 
+# More samples than this (blocks timed to `block_ms`) are kept as deciles, not one by one: a
+# sweep timed 1 s a block holds ~10^5 samples, megabytes of JSON.
+MAX_RAW_SAMPLES = 256
+
+
 def summarize(
     samples_ms: Sequence[float], calls_per_sample: int, rounds: Sequence[Sequence[float]] | None = None
 ) -> dict:
-    """Median, min, max and raw samples; with `rounds` (the samples of each round), the
-    samples of all rounds and the median of each round."""
+    """Median, min, max, the count and the raw samples (over MAX_RAW_SAMPLES of them: their
+    deciles, `deciles_ms`, instead); with `rounds` (the samples of each round), the samples of
+    all rounds and the median of each round."""
     if rounds is not None:
         samples_ms = [x for r in rounds for x in r]
     out = {
         "median_ms": statistics.median(samples_ms),
         "min_ms": min(samples_ms),
         "max_ms": max(samples_ms),
-        "samples_ms": list(samples_ms),
+        "num_samples": len(samples_ms),
         "calls_per_sample": calls_per_sample,
     }
+    if len(samples_ms) <= MAX_RAW_SAMPLES:
+        out["samples_ms"] = list(samples_ms)
+    else:
+        out["deciles_ms"] = statistics.quantiles(samples_ms, n=10)
     if rounds is not None:
         out["rounds"] = len(rounds)
         out["samples_per_round"] = [len(r) for r in rounds]
