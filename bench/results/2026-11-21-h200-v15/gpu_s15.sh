@@ -1,0 +1,16 @@
+# Session 15: the sweep's problems with blocks settled 1.5 s, one head dim and causality per call
+# (D=64|128|256, CAUSAL= or --causal, PRE=1 to precompile first); PAPER=1: the paper preset instead.
+source .gpu/activate.sh
+export HOPPER_FMHA_CACHE_DIR=/tmp/kc
+rm -rf /tmp/s; mkdir -p /tmp/s
+date -u +%H:%M:%S
+if [ "$PRE" = 1 ]; then timeout 110 python .scratch/pre_rs.py 14 > $OUT/precompile.txt 2>&1; tail -1 $OUT/precompile.txt; fi
+nvidia-smi --query-gpu=name,driver_version,power.limit,temperature.gpu --format=csv,noheader
+if [ "$PAPER" = 1 ]; then
+  timeout 540 python -m hopper_fmha bench --preset paper --dtype fp16 bf16 --backends hopper-fmha:auto sdpa-cudnn fa4 --steady-ms 1500 --rounds 2 --iters 24 --archive --no-plot --tag settled --out /tmp/s > $OUT/bench.log 2>&1
+else
+  timeout 540 python -m hopper_fmha bench --seqlen 512 1024 2048 4096 8192 16384 --headdim $D $CAUSAL --dtype fp16 bf16 --backends hopper-fmha:auto sdpa-cudnn fa4 --steady-ms 1500 --rounds 2 --iters 24 --archive --no-plot --tag settled-d$D$CAUSAL --out /tmp/s > $OUT/bench.log 2>&1
+fi
+echo "rc=$?"; date -u +%H:%M:%S
+cp /tmp/s/*.tar.gz $OUT/
+grep -h "auto\` | " /tmp/s/*.md
