@@ -57,8 +57,8 @@ class TimingSettings:
     steady_ms: float = 0.0
     # Timed GPU time per block, at least: samples are added (per_round at a time) until the
     # block's samples cover it. Under a power cap the clock swings with a period near a second
-    # (NOTES.md v15); a block's 12 samples of a kernel under 1 ms are one 10-50 ms window of that
-    # swing, and the same cell moved up to 2-4% between two runs. 0: `per_round` samples only.
+    # (NOTES.md v15); a block's 12 samples are one window of about 15-80 ms of that swing, and
+    # the same cell moved by up to 4.6% between two runs. 0: `per_round` samples only.
     block_ms: float = 0.0
 
     @classmethod
