@@ -855,3 +855,47 @@ def test_run_problem_passes_block_ms_to_every_block(fake_cuda, monkeypatch):
     t = rec["eager"]
     assert rec["status"] == "ok" and t["num_samples"] >= 2 and t["num_samples"] % 2 == 0
     assert sum(t["samples_ms"]) * t["calls_per_sample"] >= 20.0
+
+
+def test_issue_set_script_aggregates_runs(tmp_path, capsys):
+    # scripts/issue_set.py: the paper preset's cells and the sweep's at N >= 2048 form the issue
+    # set, the sweep's N = 512/1024 the short cells; a paper problem that the sweep also has
+    # counts once for each file.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "issue_set", Path(__file__).parents[1] / "scripts/issue_set.py"
+    )
+    issue_set = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(issue_set)
+    paper, sweep = _synthetic(), _synthetic()
+    paper["records"] = [
+        r
+        for p in presets.paper().problems[:2]
+        for r in (
+            _rec(p, "hopper-fmha:auto", "auto", 420.0, ours=True, graph_tf=525.0),
+            _rec(p, "fa4", "FA4", 400.0, graph_tf=500.0),
+        )
+    ]
+    sweep["preset"], sweep["records"] = "sweep", []
+    for n, f in ((512, 0.9), (4096, 1.05), (16384, 1.2)):
+        p = Problem(16384 // n, n, n, 16, 16, 128)
+        sweep["records"] += [
+            _rec(p, "hopper-fmha:auto", "auto", 400.0 * f, ours=True, graph_tf=500.0 * f),
+            _rec(p, "sdpa-cudnn", "cuDNN", 380.0, graph_tf=450.0),
+            _rec(p, "fa4", "FA4", 400.0, graph_tf=500.0),
+        ]
+    paths = []
+    for name, results in (("paper.json", paper), ("sweep.json", sweep)):
+        report.write_json(results, tmp_path / name)
+        paths.append(str(tmp_path / name))
+    cells = issue_set.cells(paths)
+    assert len(cells) == 2 * (2 + 3)
+    issue_set.main(paths)
+    out = capsys.readouterr().out.splitlines()
+    # Issue set: 1.05 (paper) twice, 1.05 and 1.2 (sweep); short: 0.9 alone.
+    want = (1.05**3 * 1.2) ** 0.25
+    assert out[0].startswith(f"issue set (paper + N>=2048)  graph n= 4 geomean {want:.4f} >=1: 4/4")
+    assert out[3].startswith("short (N 512/1024)           graph n= 1 geomean 0.9000 >=1: 0/1")
+    assert "B32 N512 H16 d128 fp16 0.9000" in out[3]
+    assert len(out) == 8 and out[4].startswith("issue set (paper + N>=2048)  eager n= 4")

@@ -234,8 +234,17 @@ def rate_table(results: dict, mode: str) -> str | None:
     return md_table(headers, rows)
 
 
-def _geomean(xs: list[float]) -> float | None:
+def geomean(xs: list[float]) -> float | None:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def ratio_to_best(recs: dict[str, dict], name: str, mode: str) -> tuple[float, bool] | None:
+    """(backend `name`'s rate ÷ the best peer's, whether either side is eager time standing in
+    for graph) for one problem's records; None where `name` is not ok or no peer has a rate."""
+    rec, (_, best) = recs.get(name), reference_records(recs, mode)
+    if rec is None or rec["status"] != "ok" or best is None or rate(rec, mode) is None:
+        return None
+    return rate(rec, mode) / rate(best, mode), fell_back(rec, mode) or fell_back(best, mode)
 
 
 def claims_summary(results: dict) -> dict:
@@ -256,14 +265,9 @@ def claims_summary(results: dict) -> dict:
         for subset, keep in subsets:
             chosen = [recs for p, recs in groups if keep(p)]
             for key, mode in (("graph", PRIMARY), ("eager", "eager")):
-                ratios, fallbacks = [], 0
-                for recs in chosen:
-                    rec, (_, best) = recs.get(name), reference_records(recs, mode)
-                    if rec is None or rec["status"] != "ok" or best is None or rate(rec, mode) is None:
-                        continue
-                    ratios.append(rate(rec, mode) / rate(best, mode))
-                    fallbacks += fell_back(rec, mode) or fell_back(best, mode)
-                g = _geomean(ratios)
+                compared = [c for c in (ratio_to_best(recs, name, mode) for recs in chosen) if c]
+                ratios, fallbacks = [r for r, _ in compared], sum(fb for _, fb in compared)
+                g = geomean(ratios)
                 these.append({
                     "backend": name, "subset": subset, "mode": key,
                     "geomean": None if g is None else round(g, 4),

@@ -209,11 +209,13 @@ def timed_samples(sampler, count: int, block_ms: float = 0.0) -> list[float]:
     """`count` samples of `sampler`, then more, `count` at a time, until they cover `block_ms` of
     GPU time (per-call ms times calls per sample)."""
     samples = sampler.samples(count)
-    while block_ms > 0 and sum(samples) * sampler.calls < block_ms:
+    covered = sum(samples) * sampler.calls
+    while block_ms > 0 and covered < block_ms:
         more = sampler.samples(count)
         if sum(more) <= 0:  # a timer that reports nothing would never get there
             break
         samples += more
+        covered += sum(more) * sampler.calls
     return samples
 
 
