@@ -360,11 +360,11 @@ WS_TILE_TABLE = {
 
 
 # ws tiles that beat the table's on short problems: (head dim, causal) -> (max seqlen_k, tile).
-# d = 64 causal, N = 512 / 1024 (H200, `bench/results/2026-11-21-h200-v3/custom-…T0824.md`):
+# d = 64 causal, N = 512 / 1024 (H200, `bench/results/2026-11-21-h200-v3/custom-…T0824.md` at 7468fb9):
 # 128x128 224.6 / 296.8 TFLOP/s fp16 vs 199.1 / 267.8 for 192x128 (bf16 227.8 / 300.6 vs
 # 203.7 / 273.4): two query tiles per 256 rows instead of one and a half keep more SMs busy
 # (the paper kernel, the default there since v4, is faster still). d = 256, sustained at the
-# power cap (`…-v4/power-d256-short.txt`, fp16 ms per call, 128x64 vs 128x80): N = 512
+# power cap (`…-v4/power-d256-short.txt` at 7468fb9, fp16 ms per call, 128x64 vs 128x80): N = 512
 # non-causal 0.157 vs 0.161, causal 0.118 vs 0.124; N = 1024 causal 0.170 vs 0.174, but
 # non-causal 0.262 vs 0.259: 512 keys are 8 blocks of 64 but 7 of 80, the last one 40% empty (limits
 # then: 512 keys non-causal, 1024 causal).
@@ -382,14 +382,14 @@ WS_SHORT_TILE = {
 # The paper kernel's tile by problem, where it differs from PAPER_TILE_TABLE: (head_dim, causal) ->
 # (longest seqlen_k, tile). d = 64 causal up to 1024 keys: 64x64 (v11, sustained at the 700 W cap,
 # ms per call and M cycles, 64x64 vs 128x128 (cuDNN), `bench/results/2026-11-21-h200-v11/
-# power-d64-paper-tiles.txt`): N = 512 bf16 0.1335 vs 0.1401 (0.1396), 0.224 vs 0.264 Mcyc;
+# power-d64-paper-tiles.txt` at 7468fb9): N = 512 bf16 0.1335 vs 0.1401 (0.1396), 0.224 vs 0.264 Mcyc;
 # fp16 0.1381 vs 0.1440 (0.1438); N = 1024 bf16 0.2133-0.2156 vs 0.2162-0.2173 (0.2170), 0.360
 # vs 0.401 Mcyc. S and O take 32 + 32 registers per thread instead of 128 + 64 (99 in all, not
 # 255), so four CTAs share an SM instead of two (five since v14: `sm90_paper.CTAS_PER_SM`) and
 # hide each other's per-tile latency (loads, first softmax, epilogue) at 1-16 key blocks per
 # tile; 128x64 (0.151) and 64x128 (0.144) lose.
 # d = 64 non-causal up to 512 keys: 64x128 (v12, same probe, `2026-11-21-h200-v12/
-# power-d64nc-paper-tiles.txt`, 64x128 vs 128x128 (cuDNN)): N = 512 bf16 0.1883-0.1889 vs 0.1914
+# power-d64nc-paper-tiles.txt` at 7468fb9, 64x128 vs 128x128 (cuDNN)): N = 512 bf16 0.1883-0.1889 vs 0.1914
 # (0.1929-0.1931), 0.283 vs 0.339 Mcyc; fp16 0.1931-0.1939 vs 0.1971-0.1978 (0.1985-0.1995). At
 # N = 1024 it still takes 12% fewer cycles but runs 0.7-1.3% slower in ms (0.3374-0.3380 vs
 # 0.3331-0.3352 bf16) at the power cap, so 128x128 stays there; 64x64 loses at both (0.195, 0.351).

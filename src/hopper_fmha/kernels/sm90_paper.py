@@ -58,7 +58,7 @@ NUM_THREADS = 128
 # d = 64 causal 64x64 (`config.PAPER_SHORT_TILE`): 99 registers fit four CTAs; compiled for five
 # it takes 94, without spills, and runs 5-8% fewer cycles per call and 1.6-3.3% less time at the
 # power cap (v14, sustained, ms, four vs five CTAs (cuDNN), `bench/results/2026-11-21-h200-v14/
-# power-d64-paper-5ctas.txt`): N = 1024 bf16 0.2147 vs 0.2088 (0.2175), fp16 0.2222 vs 0.2187
+# power-d64-paper-5ctas.txt` at 7468fb9): N = 1024 bf16 0.2147 vs 0.2088 (0.2175), fp16 0.2222 vs 0.2187
 # (0.2248); N = 512 bf16 0.1328 vs 0.1284 (0.1388), fp16 0.1373 vs 0.1336 (0.1435). Six CTAs
 # (80 registers) do not compile.
 CTAS_PER_SM = {(64, 64, 64, True): 5}
