@@ -37,16 +37,23 @@ def key_for(cfg, dtype: str, causal: bool) -> KernelKey:
 
 
 # dtype and causal change the generated code; the head dim changes tile, budget and switches.
-SHIPPED = [
-    key_for(launch_config(select_config(head_dim, "ws"), causal, 4096), dtype, causal)
-    for head_dim in SUPPORTED_HEAD_DIMS
-    for dtype in ("float16", "bfloat16")
-    for causal in (False, True)
-] + [  # the short-problem tiles (d = 256's with O through per-warpgroup buffers)
-    key_for(launch_config(select_config(head_dim, "ws", tile), causal, 1024), dtype, causal)
-    for (head_dim, causal), (_, tile) in sorted(WS_SHORT_TILE.items())
-    for dtype in ("float16", "bfloat16")
-]
+# Without and with an exact LSE (return_lse): d = 64 non-causal then sums rows in fp32.
+SHIPPED = list(
+    dict.fromkeys(
+        [
+            key_for(launch_config(select_config(head_dim, "ws"), causal, 4096, exact_lse=e), dtype, causal)
+            for head_dim in SUPPORTED_HEAD_DIMS
+            for dtype in ("float16", "bfloat16")
+            for causal in (False, True)
+            for e in (False, True)
+        ]
+        + [  # the short-problem tiles (d = 256's with O through per-warpgroup buffers)
+            key_for(launch_config(select_config(head_dim, "ws", tile), causal, 1024), dtype, causal)
+            for (head_dim, causal), (_, tile) in sorted(WS_SHORT_TILE.items())
+            for dtype in ("float16", "bfloat16")
+        ]
+    )
+)
 # Tiles at the edges of both register budgets (causal: the larger code path), for the model
 # check: per head dim and tile_m, the largest tile_n the model accepts and the next one, which spills.
 EDGE_TILES = [(64, (192, 128)), (64, (192, 144)), (128, (128, 192)), (128, (128, 208)), (128, (192, 96))]

@@ -34,7 +34,7 @@ def cpu_kernel(monkeypatch):
     """
     launches = []
 
-    def fake_launch(q, k, v, out, lse, softmax_scale, causal, cfg):
+    def fake_launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse):
         for t in (q, k, v):
             assert t.stride(-1) == 1
             assert all(s > 0 and s % 8 == 0 for s in t.stride()[:-1])
@@ -44,7 +44,9 @@ def cpu_kernel(monkeypatch):
         o, l = reference(q, k, v, softmax_scale, causal)
         out.copy_(o)
         lse.copy_(l)
-        launches.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, cfg=cfg))
+        launches.append(
+            dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, cfg=cfg, exact_lse=exact_lse)
+        )
 
     monkeypatch.setattr(interface, "_check_device", lambda q, k, v: None)
     monkeypatch.setattr(interface, "_launch", fake_launch)
@@ -236,22 +238,42 @@ def test_cta_pairs_only_where_they_apply():
         cfg = select_config(d, "ws")
         assert cfg.cluster_m == 2
         even = 2 * cfg.tile_m * 3  # six query tiles
-        assert launch_config(cfg, False, even) is cfg
-        assert launch_config(cfg, False, even - 1) is cfg  # the last tile short, still six
-        assert launch_config(cfg, False, even + 1).cluster_m == 1  # seven tiles
-        assert launch_config(cfg, True, even).cluster_m == 1
+        assert launch_config(cfg, False, even, exact_lse=False) is cfg
+        assert launch_config(cfg, False, even - 1, exact_lse=False) is cfg  # the last tile short, still six
+        assert launch_config(cfg, False, even + 1, exact_lse=False).cluster_m == 1  # seven tiles
+        assert launch_config(cfg, True, even, exact_lse=False).cluster_m == 1
         # Nothing else changes, but for the switches a causal launch sets differently.
-        assert launch_config(cfg, False, even + 1) == dataclasses.replace(cfg, cluster_m=1)
+        assert launch_config(cfg, False, even + 1, exact_lse=False) == dataclasses.replace(cfg, cluster_m=1)
         causal_switches = config.WS_CAUSAL_SWITCHES.get(d, {})
-        assert launch_config(cfg, True, even) == dataclasses.replace(cfg, cluster_m=1, **causal_switches)
+        assert launch_config(cfg, True, even, exact_lse=False) == dataclasses.replace(
+            cfg, cluster_m=1, **causal_switches
+        )
     # d = 64 pins GEMM-II's wait and sums rows on the tensor cores non-causal only.
-    assert launch_config(select_config(64, "ws"), False, 4096).pin_pv_wait == 8
-    assert launch_config(select_config(64, "ws"), True, 4096).pin_pv_wait == 0
-    assert launch_config(select_config(64, "ws"), False, 2048).mma_rowsum
-    assert not launch_config(select_config(64, "ws"), True, 4096).mma_rowsum
+    d64 = select_config(64, "ws")
+    assert launch_config(d64, False, 4096, exact_lse=False).pin_pv_wait == 8
+    assert launch_config(d64, True, 4096, exact_lse=False).pin_pv_wait == 0
+    assert launch_config(d64, False, 2048, exact_lse=False).mma_rowsum
+    assert not launch_config(d64, True, 4096, exact_lse=False).mma_rowsum
     # d = 64 tiles are 192 rows: 2048 queries make 11 of them, 4096 make 22.
-    assert launch_config(select_config(64, "ws"), False, 2048).cluster_m == 1
-    assert launch_config(select_config(64, "ws"), False, 4096).cluster_m == 2
+    assert launch_config(d64, False, 2048, exact_lse=False).cluster_m == 1
+    assert launch_config(d64, False, 4096, exact_lse=False).cluster_m == 2
+
+
+def test_exact_lse_takes_fp32_row_sums():
+    # Row sums from the tensor cores sum P after its rounding to 16 bits: fine for out, off by up
+    # to a few 1e-3 in the LSE. Where the LSE is returned (the default of launch_config), the
+    # kernel sums in fp32; nothing else about the launch changes.
+    from hopper_fmha.config import launch_config
+
+    d64 = select_config(64, "ws")
+    for causal, seqlen_q in ((False, 4096), (False, 2048), (True, 4096)):
+        fast = launch_config(d64, causal, seqlen_q, exact_lse=False)
+        exact = launch_config(d64, causal, seqlen_q)
+        assert not exact.mma_rowsum
+        assert exact == dataclasses.replace(fast, mma_rowsum=False)
+    for d in (128, 256):
+        cfg = select_config(d, "ws")
+        assert launch_config(cfg, False, 4096) is launch_config(cfg, False, 4096, exact_lse=False)
     assert select_config(128, "paper").cluster_m == 1
 
 
@@ -310,7 +332,26 @@ def test_outputs_and_launch_arguments(cpu_kernel, causal):
     tile = auto_tile(variant, 64, causal, k.shape[1])
     assert launch["cfg"] == select_config(64, variant, tile)
     assert launch["q"] is q  # conforming inputs are passed through, not copied
+    assert launch["exact_lse"] is True  # the LSE is returned: it must be exact
     assert torch.equal(flash_attn_func(q, k, v, causal=causal), out)
+    assert cpu_kernel[-1]["exact_lse"] is False  # not returned: the kernel may take its fast path
+
+
+def test_inputs_requiring_grad_are_refused_until_there_is_a_backward(cpu_kernel):
+    # An output without a grad_fn would silently cut the graph: the layers before the attention
+    # would never learn. Under no_grad / inference_mode nothing changes.
+    q, k, v = qkv()
+    for name in ("q", "k", "v"):
+        args = {"q": q, "k": k, "v": v}
+        args[name] = args[name].clone().requires_grad_()
+        with pytest.raises(RuntimeError, match=r"no backward pass yet.*torch\.no_grad\(\)"):
+            flash_attn_func(**args)
+        with torch.no_grad():
+            out = flash_attn_func(**args)
+        assert not out.requires_grad
+        with torch.inference_mode():
+            flash_attn_func(**args)
+    assert len(cpu_kernel) == 6
 
 
 def test_tile_and_scale_reach_kernel(cpu_kernel):
@@ -387,7 +428,7 @@ def test_fake_matches_real_metadata():
     q, k, v = qkv()
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        out, lse = torch.ops.hopper_fmha.fwd(fq, fk, fv, 0.125, False, "paper", 128, 64)
+        out, lse = torch.ops.hopper_fmha.fwd(fq, fk, fv, 0.125, False, "paper", 128, 64, True)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
     assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
 

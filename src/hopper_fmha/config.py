@@ -404,9 +404,15 @@ def auto_tile(variant: str, head_dim: int, causal: bool, seqlen_k: int) -> tuple
     return found[1] if found is not None and seqlen_k <= found[0] else None
 
 
-def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int) -> KernelConfig:
-    """A ws `cfg` as launched on a problem: causal launches take `WS_CAUSAL_SWITCHES`, and CTA
-    pairs (`cluster_m`) run only where they apply.
+def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int, *, exact_lse: bool = True) -> KernelConfig:
+    """A ws `cfg` as launched on a problem: causal launches take `WS_CAUSAL_SWITCHES`, CTA pairs
+    (`cluster_m`) run only where they apply, and the row sums come from the tensor cores
+    (`mma_rowsum`) only where the caller does not need an exact LSE.
+
+    mma_rowsum sums P after its rounding to 16 bits, the same P that multiplies V, so out is as
+    accurate as with fp32 sums, but the LSE is off by up to a few 1e-3 where a few scores
+    dominate a row (bf16, d = 64, softmax_scale = 1: 3.6e-3 at 2049 x 2049, against 3e-5 with
+    fp32 sums). A returned LSE (and any LSE a later pass builds on) takes the fp32 sums.
 
     Pairs need tiles that visit the same key blocks (non-causal) and an even number of query
     tiles: with an odd one the last pair's second CTA would compute a tile past the end, a
@@ -414,8 +420,17 @@ def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int) -> KernelConfi
     measured 6% and 3% slower paired than single.
     """
     if causal or (cfg.cluster_m > 1 and -(-seqlen_q // cfg.tile_m) % cfg.cluster_m):
-        return _unpaired(cfg, causal)
+        cfg = _unpaired(cfg, causal)
+    if exact_lse and cfg.mma_rowsum:
+        cfg = _fp32_rowsum(cfg)
     return cfg
+
+
+@lru_cache(maxsize=64)
+def _fp32_rowsum(cfg: KernelConfig) -> KernelConfig:
+    """cfg with P's row sums taken in fp32 by the softmax (no block of ones in shared memory)."""
+    split_o = ws_split_o(cfg.head_dim, cfg.tile_m, cfg.tile_n, cfg.num_stages, mma_rowsum=False)
+    return replace(cfg, mma_rowsum=False, split_o=split_o)
 
 
 # Switches a causal launch sets differently from the table, by head dim.

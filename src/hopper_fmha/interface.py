@@ -63,14 +63,27 @@ def flash_attn_func(
     RuntimeError when the tensors are not on one CUDA device of compute capability 9.x.
     """
     scale, cfg = _validate(q, k, v, softmax_scale, causal, variant, tile)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise RuntimeError(_NO_BACKWARD)
     _check_device(q, k, v)
     if torch.compiler.is_compiling():
-        out, lse = torch.ops.hopper_fmha.fwd(q, k, v, scale, causal, cfg.variant, cfg.tile_m, cfg.tile_n)
+        out, lse = torch.ops.hopper_fmha.fwd(
+            q, k, v, scale, causal, cfg.variant, cfg.tile_m, cfg.tile_n, return_lse
+        )
     else:
         # Eager: the op's own implementation, without the dispatcher's ~23 µs per call (measured on
         # the H200 host, NOTES.md "host path"); the same function the custom op runs.
-        out, lse = _fwd_impl(q, k, v, scale, causal, cfg)
+        out, lse = _fwd_impl(q, k, v, scale, causal, cfg, return_lse)
     return (out, lse) if return_lse else out
+
+
+# Until the backward pass exists: an input that requires grad would get an output without a
+# grad_fn, and the layers before the attention would silently stop learning.
+_NO_BACKWARD = (
+    "hopper_fmha.flash_attn_func has no backward pass yet, but an input requires grad: its output "
+    "would have no grad_fn and gradients would silently stop here. For inference, call it under "
+    "torch.no_grad() or torch.inference_mode(); otherwise detach q, k and v first."
+)
 
 
 def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, config.KernelConfig]:
@@ -167,10 +180,10 @@ def _conforming(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _launch(q, k, v, out, lse, softmax_scale, causal, cfg) -> None:
+def _launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse) -> None:
     from hopper_fmha import kernels
 
-    kernels.forward(q, k, v, out, lse, softmax_scale, causal, cfg)
+    kernels.forward(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
 
 
 def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +195,9 @@ def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def _fwd_impl(q, k, v, softmax_scale: float, causal: bool, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_impl(
+    q, k, v, softmax_scale: float, causal: bool, cfg, return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _empty_outputs(q)
     if out.numel() == 0:
         return out, lse
@@ -190,7 +205,7 @@ def _fwd_impl(q, k, v, softmax_scale: float, causal: bool, cfg) -> tuple[torch.T
         # No key is visible to any query row.
         return out.zero_(), lse.fill_(-math.inf)
     q, k, v = _conforming(q), _conforming(k), _conforming(v)
-    _launch(q, k, v, out, lse, softmax_scale, causal, cfg)
+    _launch(q, k, v, out, lse, softmax_scale, causal, cfg, return_lse)
     return out, lse
 
 
@@ -204,12 +219,12 @@ def _fwd(
     variant: str,
     tile_m: int,
     tile_n: int,
+    return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fwd_impl(
-        q, k, v, softmax_scale, causal, config.select_config(q.shape[3], variant, (tile_m, tile_n))
-    )
+    cfg = config.select_config(q.shape[3], variant, (tile_m, tile_n))
+    return _fwd_impl(q, k, v, softmax_scale, causal, cfg, return_lse)
 
 
 @_fwd.register_fake
-def _(q, k, v, softmax_scale, causal, variant, tile_m, tile_n):
+def _(q, k, v, softmax_scale, causal, variant, tile_m, tile_n, return_lse):
     return _empty_outputs(q)

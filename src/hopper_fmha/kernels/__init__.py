@@ -7,6 +7,8 @@ Contract used by `hopper_fmha.interface` (inputs are already validated there):
 q: (B, Sq, H, D), k and v: (B, Sk, Hkv, D), CUDA fp16/bf16, last dim contiguous, other strides
 multiples of 8 elements, 16-byte aligned data. out: preallocated like q. lse: preallocated
 (B, H, Sq) float32. cfg: `hopper_fmha.config.KernelConfig`. Writes out and lse in place.
+exact_lse=False lets a kernel take P's row sums from its 16-bit copy (`config.launch_config`):
+out is as accurate, lse only to about 1e-3; the caller does not return that lse.
 
 One compiled kernel per key (dtype, head_dim, tile_m, tile_n, causal, variant, and the ws
 variant's stages/overlap/pingpong switches); batch, sequence lengths, head counts and strides
@@ -37,9 +39,9 @@ PERSISTENT_CTAS: int | None = None
 LPT_L2_BYTES = 50 * 1024 * 1024
 
 
-def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg) -> None:
+def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg, *, exact_lse: bool = True) -> None:
     if cfg.variant == "ws":
-        cfg = launch_config(cfg, causal, q.shape[1])
+        cfg = launch_config(cfg, causal, q.shape[1], exact_lse=exact_lse)
     fn = get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg))
     launch(fn, q, k, v, out, lse, softmax_scale, causal, ws=cfg.variant == "ws")
 
