@@ -34,10 +34,13 @@ presets:
           fp16 and bf16 (72 problems)
   tiles   the seed paper's Table 1: the paper variant at every tile and head dim, paper shape,
           this package only; with --variant ws, the ws variant's candidate tiles instead
+  host    tiny problems (B=1 N=128, d 64/128, causal off/on, bf16): eager calls time the host
+          path; with --profile, each stage of ours alone (4 problems)
 
 backends (--backends, comma separated): hopper-fmha (every variant), hopper-fmha:<variant>,
-  hopper-fmha:<variant>@<M>x<N>, sdpa-flash (FA2), sdpa-efficient (CUTLASS mem-eff),
-  sdpa-cudnn, fa4, fa3. Default: hopper-fmha, sdpa-flash, sdpa-efficient, sdpa-cudnn, fa4, fa3.
+  hopper-fmha:<variant>@<M>x<N>, a "+lse" suffix (return_lse=True), sdpa-flash (FA2),
+  sdpa-efficient (CUTLASS mem-eff), sdpa-cudnn, fa4, fa3. Default: hopper-fmha, sdpa-flash,
+  sdpa-efficient, sdpa-cudnn, fa4, fa3.
 
 timing: per problem every backend is checked, warmed up and captured, then the GPU is pre-heated
   (0.3 s of matmuls) and all backends are timed in --rounds interleaved rounds (eager and graph

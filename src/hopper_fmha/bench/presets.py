@@ -3,6 +3,8 @@
 paper: the seed paper's shape, B=4, N=4096, hidden 2048, fp16, d = 64/128/256, causal off and on.
 sweep: FlashAttention-3's grid, 16k tokens and hidden 2048 at every length: N = 512..16384 with
        B = 16384/N and H = 2048/d, d = 64/128/256, causal off and on, fp16 and bf16.
+host: tiny problems (B=1, N=128, hidden 2048, d = 64/128, causal off and on, bf16) whose
+       kernels take a few µs, so that eager calls time the host path (use with --profile).
 tiles: the seed paper's Table 1: the paper variant at every tile of PAPER_TILES and every head
        dim, paper shape, non-causal fp16, this package only (tiles that do not fit are reported
        as rejected). `tiles("ws")` (`--preset tiles --variant ws`) sweeps the ws variant's
@@ -71,7 +73,12 @@ def tiles(variant: str = "paper") -> Preset:
     return Preset("tiles" if variant == "paper" else f"tiles-{variant}", tuple(problems), backends)
 
 
-PRESETS = {"paper": paper, "sweep": sweep, "tiles": tiles}
+def host() -> Preset:
+    problems = [_problem(1, 128, d, c, "bfloat16") for d in (64, 128) for c in (False, True)]
+    return Preset("host", tuple(problems))
+
+
+PRESETS = {"paper": paper, "sweep": sweep, "tiles": tiles, "host": host}
 
 
 def get_preset(name: str) -> Preset:

@@ -8,7 +8,8 @@ running a problem (an import that fails, a head dim it lacks, a tile that does n
 Names: `hopper-fmha` (auto and every variant), `hopper-fmha:auto` (the default: the variant
 `hopper_fmha.config.auto_variant` picks per problem), `hopper-fmha:<variant>`,
 `hopper-fmha:<variant>@<M>x<N>` (tile override), `hopper-fmha:ws[@<M>x<N>]/<schedule>` (the ws
-tile order: auto, persistent or single; see `hopper_fmha.kernels.schedule`), `sdpa-flash`
+tile order: auto, persistent or single; see `hopper_fmha.kernels.schedule`), a `+lse` suffix
+(calls with return_lse=True: an exact LSE, which some kernels take more time for), `sdpa-flash`
 (FlashAttention-2 in PyTorch),
 `sdpa-efficient` (the CUTLASS memory-efficient kernel, the seed paper's "CUTLASS" baseline),
 `sdpa-cudnn`, `fa4` (FlashAttention-4, CuTe DSL), `fa3` (FlashAttention-3).
@@ -167,7 +168,9 @@ def parse_tile(text: str) -> tuple[int, int]:
 AUTO = "auto"
 
 
-def _ours(variant: str | None, tile: tuple[int, int] | None, schedule: str | None = None) -> Backend:
+def _ours(
+    variant: str | None, tile: tuple[int, int] | None, schedule: str | None = None, lse: bool = False
+) -> Backend:
     def build(p: Problem, q, k, v):
         try:
             from hopper_fmha.config import select_config
@@ -179,7 +182,7 @@ def _ours(variant: str | None, tile: tuple[int, int] | None, schedule: str | Non
             raise BackendSkip(f"rejected: {e}", status="rejected") from e
         fn = _import_skip("hopper_fmha", "flash_attn_func")
         if schedule is None:
-            return lambda: fn(q, k, v, causal=p.causal, variant=variant, tile=tile)
+            return lambda: fn(q, k, v, causal=p.causal, return_lse=lse, variant=variant, tile=tile)
         from hopper_fmha import kernels
 
         def call():
@@ -193,6 +196,7 @@ def _ours(variant: str | None, tile: tuple[int, int] | None, schedule: str | Non
 
     name = f"hopper-fmha:{variant or AUTO}" + (f"@{tile[0]}x{tile[1]}" if tile else "")
     name += f"/{schedule}" if schedule else ""
+    name += "+lse" if lse else ""
     return Backend(name=name, label=name, build=build, ours=True)
 
 
@@ -236,18 +240,26 @@ def get_backend(name: str) -> list[Backend]:
         return [_ours(None, None)] + [_ours(v, None) for v in _variants()]
     if name.startswith("hopper-fmha:"):
         spec = name.removeprefix("hopper-fmha:")
+        lse = spec.endswith("+lse")
+        spec = spec.removesuffix("+lse")
+        if lse and "/" in spec:
+            raise ValueError(f"+lse does not combine with a schedule in {name!r}")
         spec, _, schedule = spec.partition("/")
         variant, _, tile_text = spec.partition("@")
         if variant == AUTO and not tile_text:
-            return [_ours(None, None, schedule or None)]
+            return [_ours(None, None, schedule or None, lse)]
         if variant not in _variants():
             raise ValueError(f"unknown hopper-fmha variant {variant!r} in {name!r}; variants: {_variants()}")
         from hopper_fmha.kernels import SCHEDULES
 
         if schedule and schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} in {name!r}; schedules: {', '.join(SCHEDULES)}")
-        return [_ours(variant, parse_tile(tile_text) if tile_text else None, schedule or None)]
-    known = sorted(set(REGISTRY) | set(ALIASES)) + ["hopper-fmha", "hopper-fmha:<variant>[@MxN][/schedule]"]
+        return [_ours(variant, parse_tile(tile_text) if tile_text else None, schedule or None, lse)]
+    known = sorted(set(REGISTRY) | set(ALIASES)) + [
+        "hopper-fmha",
+        "hopper-fmha:<variant>[@MxN][/schedule]",
+        "hopper-fmha:<variant>[@MxN]+lse",
+    ]
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(known)}")
 
 

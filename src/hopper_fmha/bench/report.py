@@ -478,6 +478,30 @@ def profile_rows(results: dict) -> list[list[str]]:
     return rows
 
 
+def host_stage_table(results: dict) -> str:
+    """Host µs per call of each stage of our eager path (`bench.hostpath`), where profiled."""
+    rows, stages = [], []
+    for rec in results["records"]:
+        found = (rec.get("profile") or {}).get("host_stages_us")
+        if not found:
+            continue
+        if "reason" in found:
+            rows.append((rec, {}, found["reason"]))
+            continue
+        stages = stages or list(found)
+        rows.append((rec, found, ""))
+    if not rows:
+        return ""
+    headers = ["problem", "backend", *stages, "note"]
+    body = [
+        [Problem.from_dict(rec["problem"]).label(), rec["backend"]]
+        + [_fmt(found.get(name), ".1f") for name in stages]
+        + [note or ""]
+        for rec, found, note in rows
+    ]
+    return md_table(headers, body)
+
+
 def skipped_lines(results: dict) -> list[str]:
     seen: dict[tuple[str, str], list[str]] = defaultdict(list)
     for rec in results["records"]:
@@ -517,6 +541,10 @@ def render_markdown(results: dict) -> str:
         headers = ["problem", "backend", "% matmul eager", "% matmul graph", "host µs/call (eager − graph)",
                    "launch µs/call", "first call s (compile)", "cached load s"]  # fmt: skip
         parts += ["", "## Profile", "", md_table(headers, prof)]
+    stages = host_stage_table(results)
+    if stages:
+        parts += ["", "## Host path: µs per eager call, each stage alone (`hopper_fmha.bench.hostpath`)", "",
+                  stages]  # fmt: skip
     skipped = skipped_lines(results)
     if skipped:
         parts += ["", "## Not run", "", *skipped]

@@ -273,6 +273,16 @@ def _profile_compile(fn, timer) -> dict:
         return {"compile_s": None, "cached_load_s": None, "reason": _short(e)}
 
 
+def _host_stages(p: Problem, inputs) -> dict:
+    """`hostpath.host_stages` on one input set, or the reason it could not run."""
+    try:
+        from hopper_fmha.bench.hostpath import host_stages
+
+        return host_stages(*inputs[:3], p.causal)
+    except Exception as e:
+        return {"reason": _short(e)}
+
+
 def _new_record(p: Problem, backend: Backend, n_sets: int) -> dict:
     return {
         "problem": p.to_dict(),
@@ -367,6 +377,8 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
                     raise CudaContextLost(rec["graph_reason"], rec) from e
         if profile:
             rec["profile"]["launch_us"] = launch_us(fns, timer)
+            if backend.ours:
+                rec["profile"]["host_stages_us"] = _host_stages(p, sets[0])
 
 
 def _block(

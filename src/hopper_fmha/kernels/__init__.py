@@ -40,27 +40,40 @@ LPT_L2_BYTES = 50 * 1024 * 1024
 
 
 def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg, *, exact_lse: bool = True) -> None:
-    if cfg.variant == "ws":
+    fn, args = prepared_launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
+    fn(*args)
+
+
+def prepared_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg, *, exact_lse: bool = True):
+    """(compiled kernel, its arguments): what `forward` calls, for timing the call alone."""
+    ws = cfg.variant == "ws"
+    if ws:
         cfg = launch_config(cfg, causal, q.shape[1], exact_lse=exact_lse)
     fn = get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg))
-    launch(fn, q, k, v, out, lse, softmax_scale, causal, ws=cfg.variant == "ws")
+    return fn, launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=ws)
 
 
 def launch(fn, q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None) -> None:
-    """Call a compiled kernel with its arguments; for ws, the schedule's (see `schedule`).
+    """Call a compiled kernel with its arguments (`launch_arguments`)."""
+    fn(*launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=ws, mode=mode, max_ctas=max_ctas))
+
+
+def launch_arguments(
+    q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None
+) -> tuple:
+    """A compiled kernel's arguments; for ws, with the schedule's (see `schedule`).
 
     mode and max_ctas override SCHEDULE and the CTA count (measurement and tests).
     """
     group = q.shape[2] // k.shape[2]
     if not ws:
-        fn(q, k, v, out, lse, softmax_scale, group)
-        return
+        return (q, k, v, out, lse, softmax_scale, group)
     ctas, lpt_group = schedule(q, k, causal, mode)
     if max_ctas is not None:
         ctas = max_ctas
     # Causal ws kernels always take tiles from the counters (one CTA per tile included).
     counters, slot = _tile_counters(q.get_device(), causal)
-    fn(q, k, v, out, lse, softmax_scale, group, ctas, lpt_group, counters, slot)
+    return (q, k, v, out, lse, softmax_scale, group, ctas, lpt_group, counters, slot)
 
 
 def schedule(q, k, causal: bool, mode: str | None = None) -> tuple[int, int]:
