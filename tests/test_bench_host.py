@@ -37,7 +37,7 @@ def test_host_stage_table():
     p = Problem(1, 128, 128, 16, 16, 128).to_dict()
     results = {
         "records": [
-            {"problem": p, "backend": "hopper-fmha:auto", "profile": {"host_stages_us": {"a": 1.2, "b": 3.0}}},
+            {"problem": p, "backend": "ours", "profile": {"host_stages_us": {"a": 1.2, "b": 3.0}}},
             {"problem": p, "backend": "hopper-fmha:ws", "profile": {"host_stages_us": {"reason": "no GPU"}}},
             {"problem": p, "backend": "sdpa-cudnn", "profile": None},
         ]
