@@ -5,6 +5,7 @@ the CUDA graphs and the matmul rate)."""
 import argparse
 import dataclasses
 import json
+import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,9 @@ from hopper_fmha.config import PAPER_TILES, VARIANTS
 from hopper_fmha.reference import reference
 
 pytestmark = pytest.mark.cpu
+
+# The PNG charts need matplotlib, which only the bench extra installs.
+NEEDS_MATPLOTLIB = 'PNG charts need matplotlib: pip install -e ".[bench]"'
 
 # Small enough for CPU, odd lengths so causal masks cut through tiles, GQA.
 SMALL = Problem(batch=1, seqlen_q=67, seqlen_k=67, heads=4, kv_heads=2, head_dim=64, dtype="bfloat16")
@@ -434,8 +438,9 @@ def test_tile_grid_markdown():
     assert not report.claims_summary(results)["rows"]  # no peers: no summary
 
 
+@pytest.mark.extras
 def test_plots_are_small_pngs(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason=NEEDS_MATPLOTLIB)
     from PIL import Image
 
     paths, why = write_plots(_synthetic(), tmp_path, "paper")
@@ -538,7 +543,8 @@ def _fake(name, fn_of_inputs, ours=False):
     return Backend(name, name, build, ours=ours)
 
 
-def test_whole_run_on_cpu(tmp_path, monkeypatch):
+def _whole_run(tmp_path, monkeypatch):
+    """One whole bench run on CPU with fake backends: exit code, JSON path, archive names, backends."""
     monkeypatch.setattr(runner, "collect_env", lambda device: {**_synthetic()["env"], "device": "cpu"})
     good = _fake("good", runner.lowp_attention)
     wrong = _fake("wrong", lambda q, k, v, c: torch.zeros_like(q))
@@ -553,8 +559,16 @@ def test_whole_run_on_cpu(tmp_path, monkeypatch):
         args, "custom", problems, backends, settings, device="cpu",
         timer=timing.CpuTimer(), reference=reference,
     )  # fmt: skip
-    assert code == 1  # a hopper-fmha backend failed its check
     (json_path,) = tmp_path.glob("custom-h200-*-t.json")
+    (archive,) = tmp_path.glob("custom-h200-*-t.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = sorted(tar.getnames())
+    return code, json_path, names, backends
+
+
+def test_whole_run_on_cpu(tmp_path, monkeypatch):
+    code, json_path, names, backends = _whole_run(tmp_path, monkeypatch)
+    assert code == 1  # a hopper-fmha backend failed its check
     results = report.load_results(json_path)
     assert results["complete"] and len(results["records"]) == 2 * len(backends)
     assert results["settings"]["rounds"] == 2
@@ -567,14 +581,7 @@ def test_whole_run_on_cpu(tmp_path, monkeypatch):
     # No peer of BEST_PEERS ran, so the summary has no rows, but it is there.
     assert results["summary"] == report.claims_summary(results) and results["summary"]["rows"] == []
     # --archive: the whole run in one file.
-    import tarfile
-
-    (archive,) = tmp_path.glob("custom-h200-*-t.tar.gz")
-    with tarfile.open(archive) as tar:
-        names = sorted(tar.getnames())
     assert json_path.name in names and json_path.with_suffix(".md").name in names
-    if __import__("importlib").util.find_spec("matplotlib"):
-        assert any(n.endswith("-bfloat16.png") for n in names)
     status = {(r["backend"], r["problem"]["seqlen_k"]): r["status"] for r in results["records"]}
     assert status[("good", 67)] == status[("good", 72)] == "ok"
     assert status[("wrong", 67)] == "wrong" and status[("hopper-fmha:fake", 67)] == "wrong"
@@ -582,6 +589,13 @@ def test_whole_run_on_cpu(tmp_path, monkeypatch):
     prof = next(r["profile"] for r in results["records"] if r["ours"])
     assert prof["launch_us"] > 0  # CPU: no clear_cache for a fake, but the launch time is measured
     assert Path(json_path.with_suffix(".md")).exists()
+
+
+@pytest.mark.extras
+def test_whole_run_writes_charts(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason=NEEDS_MATPLOTLIB)
+    _, _, names, _ = _whole_run(tmp_path, monkeypatch)
+    assert any(n.endswith("-bfloat16.png") for n in names)  # in the archive
     assert list(tmp_path.glob("custom-h200-*-t-bfloat16.png"))
 
 
