@@ -94,13 +94,14 @@ def ws_backend(spec: str):
         d = p.head_dim
         try:
             base = config.select_config(d, "ws", tile or config.auto_tile("ws", d, p.causal, p.seqlen_k))
-            cfg = dataclasses.replace(config.launch_config(base, p.causal, p.seqlen_q), **switches)
+            launched = config.launch_config(base, p.causal, p.seqlen_q, exact_lse=False)  # out only
+            cfg = dataclasses.replace(launched, **switches)
             if "split_o" not in switches:  # follows the tile, stages and row sums, as in select_config
                 split = config.ws_split_o(d, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.mma_rowsum)
                 cfg = dataclasses.replace(cfg, split_o=split)
             config.check_fits_ws(d, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.mma_rowsum)
         except ValueError as e:
-            raise BackendSkip(f"rejected: {e}", status="rejected") from e
+            raise BackendSkip(str(e), status="rejected") from e
         fn = kernels.get_kernel(kernels.KernelKey.from_config(p.dtype, p.causal, cfg))
         out = torch.empty_like(q)
         lse = torch.empty(p.batch, p.heads, p.seqlen_q, device=q.device, dtype=torch.float32)
