@@ -425,7 +425,7 @@ def test_inputs_requiring_grad_raise_until_the_backward_exists(hopper_gpu):
 # The returned LSE against a float64 one, within 1e-4 absolute. softmax_scale = 1 makes a few
 # scores dominate each row (d = 64: the scores' spread is 8), where 16-bit row sums are furthest
 # off (3.6e-3 at d = 64 non-causal, 2049 x 2049, before the fix).
-LSE_SEQLENS = [(2049, 2049), (191, 3001), (1000, 512)]
+LSE_SEQLENS = [(2049, 2049), (191, 3001)]
 LSE_ATOL = 1e-4
 
 

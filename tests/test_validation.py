@@ -453,3 +453,25 @@ def test_ws_switches_are_declared_everywhere():
     assert KernelKey._fields[6:] == config.WS_SWITCHES  # from_config passes them in this order
     key = KernelKey.from_config("float16", False, config.select_config(128, "ws"))
     assert key.pin_pv_wait == config.WS_TILE_TABLE[128].pin_pv_wait > 0
+
+
+def test_auto_config_is_the_choice_of_auto_variant_and_auto_tile():
+    # flash_attn_func caches the automatic choice on seqlen_k capped at AUTO_SEQLEN_K_CAP: the
+    # cap must lie above every limit the choice depends on.
+    from hopper_fmha.config import AUTO_SEQLEN_K_CAP, auto_config
+
+    lengths = sorted({1, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2047, 2048, 2049, 2050, 4096, 10**6})
+    for d in config.SUPPORTED_HEAD_DIMS:
+        for causal in (False, True):
+            for n in lengths:
+                variant = auto_variant(d, causal, n)
+                expected = select_config(d, variant, auto_tile(variant, d, causal, n))
+                assert auto_config(d, causal, min(n, AUTO_SEQLEN_K_CAP)) == expected, (d, causal, n)
+
+
+def test_kernel_config_hash_follows_its_fields():
+    a = select_config(128, "ws")
+    b = dataclasses.replace(a)
+    assert a == b and hash(a) == hash(b)
+    c = dataclasses.replace(a, pin_pv_wait=a.pin_pv_wait + 1)
+    assert c != a and len({a, b, c}) == 2

@@ -14,7 +14,7 @@ buffers each. Its tiles are checked by `check_fits_ws`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -89,6 +89,14 @@ class KernelConfig:
     @property
     def tile(self) -> tuple[int, int]:
         return (self.tile_m, self.tile_n)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        # Configs are keys of the per-call caches (launch_config's lru_caches): hashed once, not
+        # field by field on every call.
+        return self._hash
 
 
 def register_estimate(head_dim: int, tile_m: int, tile_n: int, num_threads: int = 128) -> int:
@@ -451,6 +459,22 @@ def auto_variant(head_dim: int, causal: bool, seqlen_k: int) -> str:
     """The variant used when none is asked for: the faster one measured for this problem."""
     limits = PAPER_MAX_SEQLEN_K_CAUSAL if causal else PAPER_MAX_SEQLEN_K
     return "paper" if seqlen_k <= limits.get(head_dim, 0) else "ws"
+
+
+# Every limit above which auto_variant and auto_tile choose the same for any longer seqlen_k:
+# `auto_config` is cached on seqlen_k capped here, so one entry serves all long problems.
+AUTO_SEQLEN_K_CAP = 1 + max(
+    [*PAPER_MAX_SEQLEN_K.values(), *PAPER_MAX_SEQLEN_K_CAUSAL.values()]
+    + [limit for limit, _ in (*WS_SHORT_TILE.values(), *PAPER_SHORT_TILE.values())]
+)
+
+
+@lru_cache(maxsize=4096)
+def auto_config(head_dim: int, causal: bool, seqlen_k: int) -> KernelConfig:
+    """The config `flash_attn_func` runs when neither variant nor tile is given (seqlen_k may be
+    capped at AUTO_SEQLEN_K_CAP: the choice is the same above it)."""
+    variant = auto_variant(head_dim, causal, seqlen_k)
+    return select_config(head_dim, variant, auto_tile(variant, head_dim, causal, seqlen_k))
 
 
 @lru_cache(maxsize=256)

@@ -63,7 +63,7 @@ def flash_attn_func(
     RuntimeError when the tensors are not on one CUDA device of compute capability 9.x.
     """
     scale, cfg = _validate(q, k, v, softmax_scale, causal, variant, tile)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         raise RuntimeError(_NO_BACKWARD)
     _check_device(q, k, v)
     if torch.compiler.is_compiling():
@@ -87,7 +87,75 @@ _NO_BACKWARD = (
 
 
 def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, config.KernelConfig]:
-    """Every rule that needs no GPU; returns the resolved softmax scale and kernel config."""
+    """Every rule that needs no GPU; returns the resolved softmax scale and kernel config.
+
+    The common case is one combined test; any failure goes to `_tensor_rules`, which checks the
+    rules one by one, in order, and raises for the first that is broken.
+    """
+    if not (
+        isinstance(q, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and isinstance(v, torch.Tensor)
+        and q.dim() == 4
+        and k.dim() == 4
+        and q.dtype in _DTYPES
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+    ):
+        _tensor_rules(q, k, v)
+    batch, _, heads, head_dim = q.shape
+    k_shape = k.shape
+    kv_heads = k_shape[2]
+    if not (
+        k_shape == v.shape
+        and k_shape[0] == batch
+        and k_shape[3] == head_dim
+        and kv_heads != 0
+        and heads % kv_heads == 0
+        and head_dim in config.SUPPORTED_HEAD_DIMS
+    ):
+        _tensor_rules(q, k, v)
+    if softmax_scale is None:
+        scale = config.default_softmax_scale(head_dim)
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(
+                f"softmax_scale must be None or a float, got {type(softmax_scale).__name__} {softmax_scale!r}"
+            )
+        scale = float(softmax_scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    if causal is not True and causal is not False:
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if torch.compiler.is_compiling():
+        # Dynamo traces through lru_cache anyway and warns about it on every compile.
+        return scale, _select_uncached(head_dim, causal, k_shape[1], variant, tile)
+    if variant is None and tile is None:
+        return scale, config.auto_config(head_dim, causal, min(k_shape[1], config.AUTO_SEQLEN_K_CAP))
+    return scale, _select(head_dim, causal, k_shape[1], variant, tile, config.select_config)
+
+
+def _select_uncached(head_dim, causal, seqlen_k, variant, tile):
+    return _select(head_dim, causal, seqlen_k, variant, tile, config.select_config.__wrapped__)
+
+
+def _select(head_dim, causal, seqlen_k, variant, tile, select):
+    """The config for an explicit variant and/or tile (or none), through `select`."""
+    if variant is None:
+        variant = config.auto_variant(head_dim, causal, seqlen_k) if tile is None else config.DEFAULT_VARIANT
+    elif not isinstance(variant, str):
+        raise ValueError(f"variant must be one of {config.VARIANTS}, got {variant!r}")
+    if tile is not None:
+        if not isinstance(tile, (tuple, list)):
+            raise ValueError(f"tile must be a pair of ints (tile_m, tile_n), got {tile!r}")
+        tile = tuple(tile)
+    else:
+        tile = config.auto_tile(variant, head_dim, causal, seqlen_k)
+    return select(head_dim, variant, tile)
+
+
+def _tensor_rules(q, k, v) -> None:
+    """The rules on q, k and v, in the order they are checked; raises for the first one broken."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -116,38 +184,13 @@ def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, con
         )
     if head_dim not in config.SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {config.SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    if softmax_scale is None:
-        scale = config.default_softmax_scale(head_dim)
-    else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(
-                f"softmax_scale must be None or a float, got {type(softmax_scale).__name__} {softmax_scale!r}"
-            )
-        scale = float(softmax_scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    if variant is None:
-        variant = (
-            config.DEFAULT_VARIANT if tile is not None else config.auto_variant(head_dim, causal, k.shape[1])
-        )
-    elif not isinstance(variant, str):
-        raise ValueError(f"variant must be one of {config.VARIANTS}, got {variant!r}")
-    if tile is not None:
-        if not isinstance(tile, (tuple, list)):
-            raise ValueError(f"tile must be a pair of ints (tile_m, tile_n), got {tile!r}")
-        tile = tuple(tile)
-    else:
-        tile = config.auto_tile(variant, head_dim, causal, k.shape[1])
-    # Under torch.compile, call the uncached function: dynamo traces through lru_cache anyway
-    # and warns about it on every compile.
-    select = config.select_config.__wrapped__ if torch.compiler.is_compiling() else config.select_config
-    return scale, select(head_dim, variant, tile)
 
 
 def _check_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """The GPU rules, checked after all the others: one CUDA device, and it is a Hopper."""
+    index = q.get_device()  # -1 off CUDA; an int is cheaper to compare than torch.device objects
+    if index in _HOPPER_DEVICES and k.get_device() == index and v.get_device() == index and q.is_cuda:
+        return
     if not (q.device == k.device == v.device):
         raise RuntimeError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
     if q.device.type != "cuda":
@@ -170,27 +213,35 @@ def _check_arch(device: torch.device) -> None:
 
 def _conforming(t: torch.Tensor) -> torch.Tensor:
     """t itself if its layout is what the kernel's TMA descriptors accept, else a contiguous copy."""
-    strides = t.stride()
+    s0, s1, s2, s3 = t.stride()
     if (
-        strides[-1] == 1
+        s3 == 1
+        and s0 > 0
+        and s1 > 0
+        and s2 > 0
+        and not (s0 % _STRIDE_MULTIPLE or s1 % _STRIDE_MULTIPLE or s2 % _STRIDE_MULTIPLE)
         and t.data_ptr() % _ALIGN_BYTES == 0
-        and all(s > 0 and s % _STRIDE_MULTIPLE == 0 for s in strides[:-1])
     ):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
 
 def _launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse) -> None:
-    from hopper_fmha import kernels
+    global _kernels
+    if _kernels is None:  # imported on first use: importing the package needs no CuTe DSL
+        from hopper_fmha import kernels as _kernels
+    _kernels.forward(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
 
-    kernels.forward(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
+
+_kernels = None
 
 
 def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads, _ = q.shape
     # Contiguous whatever q's strides: the fake implementation cannot see data_ptr alignment,
-    # so out's layout must not depend on whether q gets copied.
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # so out's layout must not depend on whether q gets copied. (empty_like takes 60% of the host
+    # time of torch.empty with a shape, dtype and device to parse.)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     return out, lse
 

@@ -26,6 +26,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from hopper_fmha.config import launch_config  # noqa: E402
 
+from . import cache  # noqa: E402
 from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, dsl_flavor, get_kernel  # noqa: E402, F401
 from .inspect import compile_report  # noqa: E402, F401
 
@@ -49,8 +50,13 @@ def prepared_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg, 
     ws = cfg.variant == "ws"
     if ws:
         cfg = launch_config(cfg, causal, q.shape[1], exact_lse=exact_lse)
-    fn = get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg))
-    return fn, launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=ws)
+    # The configs launch_config returns are cached objects: their identity, the dtype and the mask
+    # find the compiled kernel without building and hashing a KernelKey on every call.
+    found = cache.by_config.get((id(cfg), q.dtype, causal))
+    if found is None or found[0] is not cfg:
+        found = (cfg, get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg)))
+        cache.by_config[(id(cfg), q.dtype, causal)] = found  # holds cfg: its id is not reused
+    return found[1], launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=ws)
 
 
 def launch(fn, q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None) -> None:

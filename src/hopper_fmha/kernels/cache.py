@@ -65,6 +65,9 @@ class KernelKey(NamedTuple):
 
 
 _memory: dict[KernelKey, Any] = {}
+# The per-call lookup of `kernels.prepared_launch`: (id(config), torch dtype, causal) -> (config,
+# compiled kernel). Cleared with `_memory`.
+by_config: dict[tuple, tuple] = {}
 _lock = threading.Lock()
 # Seconds spent on the last compile or disk load of each key (for `info` and `bench --profile`).
 timings: dict[KernelKey, tuple[str, float]] = {}
@@ -241,6 +244,7 @@ def clear_cache(memory: bool = True, disk: bool = False) -> None:
     with _lock:
         if memory:
             _memory.clear()
+            by_config.clear()
         if disk:
             d = cache_dir()
             if d.exists():
