@@ -402,6 +402,11 @@ def test_grid_limits_large_batch_and_heads(hopper_gpu, variant, causal, axis, si
         kv_heads = size // 5 if size % 5 == 0 else size // 3 if size % 3 == 0 else 1
     q, k, v = make_inputs(batch, 2, 3, heads, kv_heads, 64, torch.bfloat16, seed=size + causal)
     out, lse = hopper_fmha.flash_attn_func(q, k, v, causal=causal, return_lse=True, variant=variant)
+    if axis == "batch":
+        # One head per sequence: checked as one sequence of `size` heads (the reference loops over
+        # the batch in Python, 70000 times too slow here).
+        q, k, v, out = (t.transpose(0, 2) for t in (q, k, v, out))
+        lse = lse.transpose(0, 1)
     assert_close_to_reference(q, k, v, config.default_softmax_scale(64), causal, out, lse)
 
 
