@@ -66,6 +66,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from hopper_fmha.config import ROWSUM_COLS, SMEM_CAPACITY_BYTES, ws_o_buffer, ws_smem_bytes
 
+from .mask import Mask
+from .seqlen import SeqlenInfo
 from .sm90_common import (
     LN_2,
     LOG2_E,
@@ -124,6 +126,7 @@ class WsFwdSm90:
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.causal = causal
+        self.mask = Mask(tile_m, tile_n, causal)
         self.num_stages = num_stages
         self.intra_wg_overlap = intra_wg_overlap
         self.pingpong = pingpong
@@ -499,23 +502,6 @@ class WsFwdSm90:
         """Query tiles per (batch, head), counted in clusters (pairs of tiles when cluster_m = 2)."""
         return ((seqlen_q + self.tile_m - 1) // self.tile_m + self.cluster_m - 1) // self.cluster_m
 
-    @cute.jit
-    def block_range(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """(n_max, n_unmasked): the tile visits key blocks [0, n_max); [n_unmasked, n_max) need a mask.
-
-        Causal is bottom-right aligned: row i sees key j <= i + seqlen_k - seqlen_q. n_max <= 0
-        means no row of the tile sees a key.
-        """
-        n_max = (seqlen_k + self.tile_n - 1) // self.tile_n
-        n_unmasked = seqlen_k // self.tile_n
-        if const_expr(self.causal):
-            first_row_limit = m_block * self.tile_m + seqlen_k - seqlen_q + 1  # keys < this: all rows see
-            last_row_limit = first_row_limit + self.tile_m - 1
-            n_max = cutlass.min(n_max, (cutlass.max(last_row_limit, 0) + self.tile_n - 1) // self.tile_n)
-            n_unmasked = cutlass.min(n_unmasked, cutlass.max(first_row_limit, 0) // self.tile_n)
-        n_unmasked = cutlass.min(n_unmasked, n_max)
-        return n_max, n_unmasked
-
     # ---------------------------------------------------------------- producer
     @cute.jit
     def producer(
@@ -561,7 +547,8 @@ class WsFwdSm90:
             announced += 1
             m_block, head, batch = self.tile_coords(tile, sched)
             head_kv = head // qhead_per_kvhead
-            n_max, _ = self.block_range(m_block, seqlen_q, seqlen_k)
+            seqlen = SeqlenInfo.create(batch, seqlen_q, seqlen_k)
+            n_max, _ = self.mask.block_range(m_block, seqlen)
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
             gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
             gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
@@ -766,7 +753,8 @@ class WsFwdSm90:
                 # the consumers per tile.
                 cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
             m_block, head, batch = self.tile_coords(tile, sched)
-            n_max, n_unmasked = self.block_range(m_block, seqlen_q, seqlen_k)
+            seqlen = SeqlenInfo.create(batch, seqlen_q, seqlen_k)
+            n_max, n_unmasked = self.mask.block_range(m_block, seqlen)
             acc_O.fill(0.0)
             if const_expr(self.mma_rowsum):
                 acc_sum.fill(0.0)
@@ -779,8 +767,8 @@ class WsFwdSm90:
                 tSrQ_half=tSrQ_half, tSrK_half=tSrK_half, acc_shape_S=acc_shape_S,
                 acc_shape_S_half=acc_shape_S_half, acc_O=acc_O, tOrP_acc=tOrP_acc, tOrP=tOrP, row_max=row_max,
                 row_sum=row_sum, o_scale=o_scale, tScS_mn=tScS_mn, pipeline_k=pipeline_k,
-                pipeline_v=pipeline_v, scale_log2=scale_log2, m_block=m_block, seqlen_q=seqlen_q,
-                seqlen_k=seqlen_k, wg=wg, mbar_Q_empty=mbar_Q_empty,
+                pipeline_v=pipeline_v, scale_log2=scale_log2, m_block=m_block, seqlen=seqlen, wg=wg,
+                mbar_Q_empty=mbar_Q_empty,
             )  # fmt: skip
             cute.arch.mbarrier_wait(mbar_Q, q_phase)
             q_phase = q_phase ^ 1
@@ -830,7 +818,7 @@ class WsFwdSm90:
                     row_sum[r] = acc_sum_mn[r, 0]
             self.epilogue(
                 acc_O, row_max, row_sum, scale_log2, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
-                thr_mma_pv, tidx, m_block, head, batch, seqlen_q,
+                thr_mma_pv, tidx, m_block, head, batch, seqlen,
             )  # fmt: skip
             tile = self.next_announced(s_tile)
         # The threads that issued O stores stay until the last one has read sO.
@@ -866,7 +854,7 @@ class WsFwdSm90:
         """Overlapped loop, first half: S of the last block, its mask and softmax, P (no GEMM-II yet)."""
         acc_S, k_state = self.qk_waited(k_state, True, c, n_block)
         self.release_q_after(n_block, c)
-        self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
+        self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
         self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, True)
         convert(acc_S, c.tOrP_acc)
         if const_expr(self.rescale_o_early):
@@ -933,7 +921,7 @@ class WsFwdSm90:
         if const_expr(advance):
             k_state.advance()
         if const_expr(masked):
-            self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
+            self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
         row_scale, rescale = self.online_softmax(
             acc_S, c.row_max, c.row_sum, c.scale_log2, False, self.pin_pv_wait
         )
@@ -995,7 +983,7 @@ class WsFwdSm90:
         c.pipeline_k.consumer_release(k_state)
         self.release_q_after(n_block, c)
         if const_expr(masked):
-            self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
+            self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
         row_scale, rescale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, False)
         c.pipeline_v.consumer_release(v_state)
         self.finish_p(acc_S, row_scale, rescale, c)
@@ -1094,9 +1082,8 @@ class WsFwdSm90:
         """How many keys of block n_block, counted from its first, this warpgroup multiplies: 0
         when all of them lie past the causal limit of its last row, tile_n / 2 when the second
         half does (trim_half), else tile_n. Warp-uniform."""
-        # Keys of the block below this bound are seen by the warpgroup's last row (bottom-right
-        # causal: row i sees key j <= i + seqlen_k - seqlen_q).
-        bound = (c.m_block * self.tile_m + 64 * c.wg + 64 + c.seqlen_k - c.seqlen_q) - n_block * self.tile_n
+        # Keys of the block below this bound are seen by the warpgroup's last row.
+        bound = self.mask.causal_keys(c.m_block * self.tile_m + 64 * c.wg + 64, n_block, c.seqlen)
         keys = Int32(self.tile_n)
         if const_expr(self.trim_half):
             if bound <= self.tile_n // 2:
@@ -1168,35 +1155,13 @@ class WsFwdSm90:
         trim_block = n_block if const_expr(masked) else None
         acc_S, k_state = self.qk_waited(k_state, is_first, c, trim_block)
         if const_expr(masked):
-            self.apply_mask(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen_q, c.seqlen_k)
+            self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
         row_scale, rescale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, is_first)
         convert(acc_S, c.tOrP_acc)
         if const_expr(not is_first):
             self.rescale_O(c, row_scale, rescale)
         v_state = self.pv_waited(v_state, True, c, trim_block)
         return k_state, v_state
-
-    @cute.jit
-    def apply_mask(
-        self,
-        acc_S: cute.Tensor,
-        tScS_mn: cute.Tensor,
-        m_block: Int32,
-        n_block: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-    ):
-        """-inf outside the sequence (key tail) and above the bottom-right causal diagonal."""
-        acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
-        col_limit_seq = seqlen_k - n_block * self.tile_n
-        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-            col_limit = col_limit_seq
-            if const_expr(self.causal):
-                row = m_block * self.tile_m + tScS_mn[r, 0][0]
-                col_limit = cutlass.min(col_limit, row + seqlen_k - seqlen_q + 1 - n_block * self.tile_n)
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                if tScS_mn[0, c][1] >= col_limit:
-                    acc_S_mn[r, c] = -Float32.inf
 
     @cute.jit
     def online_softmax(
@@ -1387,7 +1352,7 @@ class WsFwdSm90:
         m_block: Int32,
         head: Int32,
         batch: Int32,
-        seqlen_q: Int32,
+        seqlen: SeqlenInfo,
     ):
         """O /= rowsum, LSE = (m * scale * log2 e + log2 rowsum) * ln 2; O via smem + TMA store."""
         acc_O_mn = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
@@ -1412,7 +1377,7 @@ class WsFwdSm90:
         if tOcO_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-                if row < seqlen_q:
+                if row < seqlen.seqlen_q:
                     mLSE[row, head, batch] = lse[r]
 
         # O: registers -> smem (stmatrix) -> TMA store. With its own buffer, O waits only for the
