@@ -3,27 +3,43 @@
 The kernel's arithmetic, one tile at a time, without the GPU: each Q tile of block_m rows keeps
 an output accumulator O, a running row max m and a running row sum Σ while it walks the K/V
 tiles of block_n rows (the online softmax). Tiles read past the end of the sequence are padded
-with zeros, as TMA fills out-of-bounds elements, and the padded keys are masked to -inf. With
-causal=True the walk stops at the last K/V tile with a key visible to the Q tile, as the kernel
-does. Every (batch, head) pair is an independent CTA in the kernel; here NumPy broadcasts over
-them. Comments "line n" refer to Algorithm 2, "FlashAttention-2 (FMHA)", in the paper
-(Bikshandi & Shah, "A Case Study in CUDA Kernel Fusion: Implementing FlashAttention-2 on NVIDIA
-Hopper Architecture using the CUTLASS Library").
+with zeros, as TMA fills out-of-bounds elements, and the padded keys are masked to -inf. Every
+(batch, head) pair is an independent CTA in the kernel; here NumPy broadcasts over them. Comments
+"line n" refer to Algorithm 2, "FlashAttention-2 (FMHA)", in the paper (Bikshandi & Shah, "A Case
+Study in CUDA Kernel Fusion: Implementing FlashAttention-2 on NVIDIA Hopper Architecture using the
+CUTLASS Library").
+
+The forward features beyond the paper follow FlashAttention-4 (flash_attn/cute), with the
+semantics of `hopper_fmha.reference` (its docstring):
+
+- The mask (causal, window (left, right)) is a per-tile rule, as in FA4's BlockInfo: a Q tile visits
+  only the K/V tiles [n_block_min, n_block_max) that can hold a visible key (`block_range`), and
+  only tiles that cut the window or hold padded keys get the element mask (`needs_mask`,
+  `tile_mask`). FA4 walks the range from the last tile down; the order only reorders sums.
+- softcap is applied to the scaled scores of each tile, before the mask (FA4's softcap score_mod).
+- The learnable sink joins at the end, as in FA4's `Softmax.finalize`: the walk keeps m and Σ over
+  the scores only, then Σ += exp(sink - m) (with m = sink for a row that saw no key), and
+  lse = m + log Σ includes the sink.
+- v's head dim may differ from q's and k's: O has v's columns.
+- `emulate_varlen` runs the packed varlen layout one sequence at a time, each with its own tile grid.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from hopper_fmha.config import default_softmax_scale
+from hopper_fmha.reference import check_softcap, resolve_window, varlen_sequences
 
 
 def _as_f64(x) -> np.ndarray:
     if hasattr(x, "detach"):  # a torch tensor
         x = x.detach().cpu().double().numpy()
     return np.asarray(x, dtype=np.float64)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _pad_rows(x: np.ndarray, start: int, size: int) -> np.ndarray:
@@ -36,52 +52,127 @@ def _pad_rows(x: np.ndarray, start: int, size: int) -> np.ndarray:
     return tile
 
 
+def block_range(
+    m_start: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, left: int = -1, right: int = -1
+) -> tuple[int, int]:
+    """[n_block_min, n_block_max): the K/V tiles the Q tile of rows [m_start, m_start + block_m) visits.
+
+    Row i sees keys i + seqlen_k - seqlen_q - left ..= i + seqlen_k - seqlen_q + right (-1: no limit).
+    With a right limit the tile's last row bounds the walk from above, with a left limit its first
+    row bounds it from below (FA4's BlockInfo.get_n_block_min_max); the tiles outside hold no key
+    any row of the tile sees. An empty range means no key at all: out 0, lse -inf (or the sink).
+    """
+    offset = seqlen_k - seqlen_q
+    n_block_max = _ceil_div(seqlen_k, block_n)
+    if right >= 0:
+        n_block_max = min(n_block_max, _ceil_div(m_start + block_m + offset + right, block_n))
+    n_block_min = max(0, (m_start + offset - left) // block_n) if left >= 0 else 0
+    return n_block_min, max(n_block_min, n_block_max)
+
+
 def causal_kv_tiles(m_start: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int) -> int:
-    """Number of K/V tiles the Q tile starting at row m_start must visit under the causal mask.
+    """Number of K/V tiles the Q tile starting at row m_start visits under the causal mask (from tile 0)."""
+    return block_range(m_start, block_m, block_n, seqlen_q, seqlen_k, -1, 0)[1]
 
-    The last row of the tile sees keys up to (m_start + block_m - 1) + seqlen_k - seqlen_q; the
-    tiles after the one holding that key are fully masked and skipped.
+
+def needs_mask(
+    m_start: int,
+    n_start: int,
+    block_m: int,
+    block_n: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    left: int = -1,
+    right: int = -1,
+) -> bool:
+    """Whether the (Q tile, K/V tile) pair needs the element mask: some key of it is hidden from some row.
+
+    Three causes: keys past seqlen_k (the tail tile); the tile's last key beyond the first row's right
+    limit (the diagonal tiles of causal and of a right window); the tile's first key before the last
+    row's left limit (the tiles on a left window's edge). Other tiles are computed unmasked. FA4
+    applies the same rule, one key more conservatively on the window edges.
     """
-    visible = m_start + block_m + seqlen_k - seqlen_q
-    return max(0, min(math.ceil(seqlen_k / block_n), math.ceil(visible / block_n)))
+    offset = seqlen_k - seqlen_q
+    if n_start + block_n > seqlen_k:
+        return True
+    if right >= 0 and n_start + block_n - 1 > m_start + offset + right:
+        return True
+    return left >= 0 and n_start < m_start + block_m - 1 + offset - left
 
 
-def emulate(q, k, v, softmax_scale=None, causal=False, block_m=128, block_n=128):
-    """Attention by Algorithm 2. q: (B, Sq, H, D); k, v: (B, Sk, Hkv, D), NumPy or torch.
+def tile_mask(
+    m_start: int,
+    n_start: int,
+    block_m: int,
+    block_n: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    left: int = -1,
+    right: int = -1,
+) -> np.ndarray:
+    """(block_m, block_n) bool: True where row m_start + r can't see key n_start + c or the key is padding."""
+    rows = m_start + np.arange(block_m)[:, None]
+    cols = n_start + np.arange(block_n)[None, :]
+    diagonal = rows + seqlen_k - seqlen_q
+    hidden = np.broadcast_to(cols >= seqlen_k, (block_m, block_n))  # padded keys past the sequence end
+    if right >= 0:
+        hidden = hidden | (cols > diagonal + right)
+    if left >= 0:
+        hidden = hidden | (cols < diagonal - left)
+    return hidden
 
-    Returns (out, lse) as fp64 NumPy arrays of shapes (B, Sq, H, D) and (B, H, Sq); rows that
-    see no key give out = 0 and lse = -inf.
+
+def emulate(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    block_m=128,
+    block_n=128,
+    *,
+    window_size=(-1, -1),
+    softcap=0.0,
+    learnable_sink=None,
+):
+    """Attention by Algorithm 2. q: (B, Sq, H, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv), NumPy or torch.
+
+    learnable_sink: (H,) or None. Returns (out, lse) as fp64 NumPy arrays of shapes (B, Sq, H, Dv)
+    and (B, H, Sq); rows that see no key give out = 0 and lse = -inf (lse = sink with a sink).
     """
+    left, right = resolve_window(causal, window_size)
+    softcap = check_softcap(softcap)
     q, k, v = _as_f64(q), _as_f64(k), _as_f64(v)
     batch, seqlen_q, heads, head_dim = q.shape
     _, seqlen_k, kv_heads, _ = k.shape
+    head_dim_v = v.shape[-1]
     group = heads // kv_heads
     scale = default_softmax_scale(head_dim) if softmax_scale is None else float(softmax_scale)
+    # (1, Hkv, group, 1): q head h = kv_head * group + g, broadcast against the row statistics.
+    sink = None if learnable_sink is None else _as_f64(learnable_sink).reshape(1, kv_heads, group, 1)
 
     # Heads-major: (B, Hkv, group, S, D) for Q, (B, Hkv, 1, S, D) for K and V (GQA shares them).
     q = q.transpose(0, 2, 1, 3).reshape(batch, kv_heads, group, seqlen_q, head_dim)
     k = k.transpose(0, 2, 1, 3)[:, :, None]
     v = v.transpose(0, 2, 1, 3)[:, :, None]
-    out = np.zeros(q.shape)
+    out = np.zeros(q.shape[:-1] + (head_dim_v,))
     lse = np.full(q.shape[:-1], -np.inf)
-    n_tiles_k = math.ceil(seqlen_k / block_n)
 
     for m_start in range(0, seqlen_q, block_m):  # line 1: for each tile of Q
         q_i = _pad_rows(q, m_start, block_m)  # line 2: load Q_i
-        o_i = np.zeros(q_i.shape)  # line 3: O_i = 0
+        o_i = np.zeros(q_i.shape[:-1] + (head_dim_v,))  # line 3: O_i = 0
         m_i = np.full(q_i.shape[:-1], -np.inf)  # line 4: m_i = -inf, Σ_i = 0
         sum_i = np.zeros(q_i.shape[:-1])
-        rows = m_start + np.arange(block_m)
-        n_tiles = causal_kv_tiles(m_start, block_m, block_n, seqlen_q, seqlen_k) if causal else n_tiles_k
-        for j in range(n_tiles):  # line 5: for each tile of K (that has a visible key)
+        n_block_min, n_block_max = block_range(m_start, block_m, block_n, seqlen_q, seqlen_k, left, right)
+        for j in range(n_block_min, n_block_max):  # line 5: for each tile of K that can hold a visible key
             n_start = j * block_n
             k_j = _pad_rows(k, n_start, block_n)  # line 6: load K_j
             s_ij = scale * (q_i @ np.swapaxes(k_j, -1, -2))  # line 7: S_ij = scale Q_i K_j^T
-            cols = n_start + np.arange(block_n)
-            hidden = cols[None, :] >= seqlen_k  # padded keys past the sequence end
-            if causal:
-                hidden = hidden | (cols[None, :] > rows[:, None] + seqlen_k - seqlen_q)
-            s_ij = np.where(hidden, -np.inf, s_ij)
+            if softcap:
+                s_ij = softcap * np.tanh(s_ij / softcap)
+            if needs_mask(m_start, n_start, block_m, block_n, seqlen_q, seqlen_k, left, right):
+                hidden = tile_mask(m_start, n_start, block_m, block_n, seqlen_q, seqlen_k, left, right)
+                s_ij = np.where(hidden, -np.inf, s_ij)
             m_old = m_i  # line 8: rowmax update, keeping m_old and m_new
             m_i = np.maximum(m_old, s_ij.max(axis=-1))
             # A row with no visible key so far has m_new = -inf: shift it by 0, so that P and the
@@ -92,13 +183,63 @@ def emulate(q, k, v, softmax_scale=None, causal=False, block_m=128, block_n=128)
             sum_i = rescale * sum_i + p_ij.sum(axis=-1)  # line 10: Σ_i update
             v_j = _pad_rows(v, n_start, block_n)  # line 11: load V_j
             o_i = rescale[..., None] * o_i + p_ij @ v_j  # line 12: O_i = rescale O_i + P_ij V_j
+        if sink is not None:  # FA4's finalize: the sink joins Σ_i (only), relative to the scores' max
+            m_i = np.where(np.isneginf(m_i), sink, m_i)
+            with np.errstate(invalid="ignore"):  # sink = -inf in a row without keys: nan, caught below
+                sum_i = sum_i + np.exp(sink - m_i)
         stop = min(m_start + block_m, seqlen_q)
-        empty = sum_i == 0  # rows that saw no key: out = 0, lse = -inf
+        empty = ~(sum_i > 0)  # rows with nothing in Σ (zero, or nan as above): out = 0, lse = -inf
         o_i = o_i / np.where(empty, 1.0, sum_i)[..., None]  # line 14: O_i = O_i / Σ_i
         out[..., m_start:stop, :] = o_i[..., : stop - m_start, :]  # line 15: write O_i
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):
             lse_i = np.where(empty, -np.inf, m_i + np.log(sum_i))
         lse[..., m_start:stop] = lse_i[..., : stop - m_start]
 
-    out = out.reshape(batch, heads, seqlen_q, head_dim).transpose(0, 2, 1, 3)
+    out = out.reshape(batch, heads, seqlen_q, head_dim_v).transpose(0, 2, 1, 3)
     return np.ascontiguousarray(out), lse.reshape(batch, heads, seqlen_q)
+
+
+def emulate_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    learnable_sink=None,
+    block_m=128,
+    block_n=128,
+):
+    """Algorithm 2 over a packed varlen batch: q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv).
+
+    Each sequence (`hopper_fmha.reference.varlen_sequences`) is its own grid of Q tiles, as the
+    varlen kernel's tile scheduler makes it. Returns out (total_q, H, Dv) and lse (H, total_q), fp64.
+    """
+    q, k, v = _as_f64(q), _as_f64(k), _as_f64(v)
+    total_q, heads, head_dim = q.shape
+    scale = default_softmax_scale(head_dim) if softmax_scale is None else float(softmax_scale)
+    out = np.zeros((total_q, heads, v.shape[-1]))
+    lse = np.empty((heads, total_q))
+    for q_start, q_end, k_start, k_end in varlen_sequences(
+        cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0], seqused_k
+    ):
+        o, l = emulate(
+            q[None, q_start:q_end],
+            k[None, k_start:k_end],
+            v[None, k_start:k_end],
+            scale,
+            causal,
+            block_m,
+            block_n,
+            window_size=window_size,
+            softcap=softcap,
+            learnable_sink=learnable_sink,
+        )
+        out[q_start:q_end] = o[0]
+        lse[:, q_start:q_end] = l[0]
+    return out, lse
