@@ -128,6 +128,22 @@ def as_int32(x: Float32, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
+@cute.jit
+def pinned_wait_group(p: Float32):
+    """wait_group(0) that ptxas keeps after `p` is computed: both arms of a branch on p wait.
+
+    Left to itself, ptxas (CUDA 13) hoists a wait_group above the arithmetic that does not
+    depend on the GEMMs waited for. The branch is warp-uniform (lane 0's value), so it costs a
+    shuffle, a compare and a branch; 0x7FC00001 is a NaN bit pattern exp2 does not produce, but
+    either way the wait happens.
+    """
+    key = cute.arch.make_warp_uniform(as_int32(p))
+    if key != Int32(0x7FC00001):
+        warpgroup.wait_group(0)
+    else:
+        warpgroup.wait_group(0)
+
+
 @dsl_user_op
 def pack_f32x2(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
     """Two fp32 values -> one register of fp16x2/bf16x2 (round to nearest even), `lo` in bits 0-15."""

@@ -69,11 +69,9 @@ from hopper_fmha.config import ROWSUM_COLS, SMEM_CAPACITY_BYTES, ws_o_buffer, ws
 from .mask import Mask
 from .seqlen import SeqlenInfo
 from .sm90_common import (
-    LN_2,
     LOG2_E,
     acc_mn_layout,
     acc_to_operand_a_layout,
-    as_int32,
     atom_rows,
     convert,
     gemm,
@@ -82,6 +80,7 @@ from .sm90_common import (
     tiled_mma_64,
     tma_load,
 )
+from .softmax import Softmax
 
 WARPGROUP = 128
 # Named barrier ids (0 is __syncthreads).
@@ -92,8 +91,6 @@ BARRIER_TILE_EMPTY = 6  # every consumer thread has read it
 BARRIER_O_SLOT = 7  # + consumer warpgroup index: that warpgroup's O buffer is written / free (split_o)
 # (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
-# Lazy rescaling: the softmax max moves only when a row's max grows by more than this (log2 units).
-RESCALE_THRESHOLD = 8.0
 
 
 class WsFwdSm90:
@@ -709,6 +706,7 @@ class WsFwdSm90:
             tOrOnes = wg_mma_sum.make_fragment_B(wg_mma_sum.partition_B(sOnes))
             thr_mma_sum = tiled_mma_sum.get_slice(tidx)
             acc_sum = thr_mma_sum.make_fragment_C(thr_mma_sum.partition_shape_C((self.tile_m, ROWSUM_COLS)))
+        accs = [acc_O, acc_sum] if const_expr(self.mma_rowsum) else [acc_O]  # what O's rescale scales
         # causal_trim at tile_n / 2: Q and the first half of every K stage for the narrow GEMM-I.
         tSrQ_half = None
         tSrK_half = None
@@ -721,8 +719,7 @@ class WsFwdSm90:
             acc_shape_S_half = tiled_mma_qk_half.get_slice(tidx).partition_shape_C(
                 (self.tile_m, self.tile_n // 2)
             )
-        row_max = cute.make_rmem_tensor((rows_per_thread,), Float32)
-        row_sum = cute.make_rmem_tensor((rows_per_thread,), Float32)
+        softmax = Softmax.create(scale_log2, rows_per_thread, self.mma_rowsum)
         # With rescale_o_early: the factor of the last softmax, applied before the next GEMM-II.
         o_scale = cute.make_rmem_tensor((rows_per_thread,), Float32)
         cS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -758,16 +755,15 @@ class WsFwdSm90:
             acc_O.fill(0.0)
             if const_expr(self.mma_rowsum):
                 acc_sum.fill(0.0)
-            row_max.fill(-Float32.inf)
-            row_sum.fill(0.0)
+            softmax.reset()
             # What every block step of this tile reads (registers and views, nothing copied).
             ctx = SimpleNamespace(
                 tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tiled_mma_sum=tiled_mma_sum, tSrQ=tSrQ,
                 tSrK=tSrK, tOrV=tOrV, tOrOnes=tOrOnes, acc_sum=acc_sum, tiled_mma_qk_half=tiled_mma_qk_half,
                 tSrQ_half=tSrQ_half, tSrK_half=tSrK_half, acc_shape_S=acc_shape_S,
-                acc_shape_S_half=acc_shape_S_half, acc_O=acc_O, tOrP_acc=tOrP_acc, tOrP=tOrP, row_max=row_max,
-                row_sum=row_sum, o_scale=o_scale, tScS_mn=tScS_mn, pipeline_k=pipeline_k,
-                pipeline_v=pipeline_v, scale_log2=scale_log2, m_block=m_block, seqlen=seqlen, wg=wg,
+                acc_shape_S_half=acc_shape_S_half, acc_O=acc_O, tOrP_acc=tOrP_acc, tOrP=tOrP, softmax=softmax,
+                accs=accs, o_scale=o_scale, tScS_mn=tScS_mn, pipeline_k=pipeline_k,
+                pipeline_v=pipeline_v, m_block=m_block, seqlen=seqlen, wg=wg,
                 mbar_Q_empty=mbar_Q_empty,
             )  # fmt: skip
             cute.arch.mbarrier_wait(mbar_Q, q_phase)
@@ -812,12 +808,9 @@ class WsFwdSm90:
                         self.release_q(mbar_Q_empty)
                 else:
                     self.release_q(mbar_Q_empty)
-            if const_expr(self.mma_rowsum):
-                acc_sum_mn = cute.make_tensor(acc_sum.iterator, acc_mn_layout(acc_sum.layout))
-                for r in cutlass.range_constexpr(rows_per_thread):
-                    row_sum[r] = acc_sum_mn[r, 0]
+            lse = softmax.finalize(acc_O, acc_sum)
             self.epilogue(
-                acc_O, row_max, row_sum, scale_log2, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
+                acc_O, lse, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
                 thr_mma_pv, tidx, m_block, head, batch, seqlen,
             )  # fmt: skip
             tile = self.next_announced(s_tile)
@@ -855,7 +848,7 @@ class WsFwdSm90:
         acc_S, k_state = self.qk_waited(k_state, True, c, n_block)
         self.release_q_after(n_block, c)
         self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
-        self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, True)
+        c.softmax.online_softmax(acc_S, True)
         convert(acc_S, c.tOrP_acc)
         if const_expr(self.rescale_o_early):
             c.o_scale.fill(1.0)
@@ -911,7 +904,7 @@ class WsFwdSm90:
             c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, k_state.index], zero_init=True, wg_wait=-1
         )
         if const_expr(self.rescale_o_early):
-            self.rescale_O_pending(c, c.o_scale)  # while GEMM-I runs
+            c.softmax.rescale_O_pending(c.accs, c.o_scale)  # while GEMM-I runs
         c.pipeline_v.consumer_wait(v_state)
         self.gemm_pv(v_state.index, -1, c)
         self.pingpong_pass(c.wg)
@@ -922,9 +915,7 @@ class WsFwdSm90:
             k_state.advance()
         if const_expr(masked):
             self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
-        row_scale, rescale = self.online_softmax(
-            acc_S, c.row_max, c.row_sum, c.scale_log2, False, self.pin_pv_wait
-        )
+        row_scale, rescale = c.softmax.online_softmax(acc_S, False, self.pin_pv_wait)
         if const_expr(self.pin_pv_wait == 0):
             warpgroup.wait_group(0)  # GEMM-II done: P's registers and sV_{n+1} are free
         c.pipeline_v.consumer_release(v_state)
@@ -953,7 +944,7 @@ class WsFwdSm90:
         if const_expr(self.rescale_o_early):
             c.o_scale.store(row_scale.load())
         else:
-            self.rescale_O(c, row_scale, rescale)
+            c.softmax.rescale_O(c.accs, row_scale, rescale)
 
     @cute.jit
     def trimmed_steps(
@@ -973,7 +964,7 @@ class WsFwdSm90:
         c.pipeline_k.consumer_wait(k_state)
         self.pingpong_wait(c.wg)
         if const_expr(self.rescale_o_early):
-            self.rescale_O_pending(c, c.o_scale)
+            c.softmax.rescale_O_pending(c.accs, c.o_scale)
         # A GEMM-I at tile_n / 2 here, with P and O live beside it, leaves ptxas (d = 64, 160
         # registers) short of registers for asynchronous WGMMAs: a half block runs whole.
         self.gemm_qk_keys(acc_S, k_state.index, qk_keys, c, False)
@@ -984,7 +975,7 @@ class WsFwdSm90:
         self.release_q_after(n_block, c)
         if const_expr(masked):
             self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
-        row_scale, rescale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, False)
+        row_scale, rescale = c.softmax.online_softmax(acc_S, False)
         c.pipeline_v.consumer_release(v_state)
         self.finish_p(acc_S, row_scale, rescale, c)
 
@@ -996,7 +987,7 @@ class WsFwdSm90:
     ):
         """Overlapped loop, second half: O += P V_0."""
         if const_expr(self.rescale_o_early):
-            self.rescale_O_pending(c, c.o_scale)
+            c.softmax.rescale_O_pending(c.accs, c.o_scale)
         return self.pv_waited(v_state, False, c, Int32(0))
 
     @cute.jit
@@ -1156,137 +1147,12 @@ class WsFwdSm90:
         acc_S, k_state = self.qk_waited(k_state, is_first, c, trim_block)
         if const_expr(masked):
             self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
-        row_scale, rescale = self.online_softmax(acc_S, c.row_max, c.row_sum, c.scale_log2, is_first)
+        row_scale, rescale = c.softmax.online_softmax(acc_S, is_first)
         convert(acc_S, c.tOrP_acc)
         if const_expr(not is_first):
-            self.rescale_O(c, row_scale, rescale)
+            c.softmax.rescale_O(c.accs, row_scale, rescale)
         v_state = self.pv_waited(v_state, True, c, trim_block)
         return k_state, v_state
-
-    @cute.jit
-    def online_softmax(
-        self,
-        acc_S: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        scale_log2: Float32,
-        is_first: cutlass.Constexpr[bool],
-        wait_pv_after: cutlass.Constexpr[int] = 0,
-    ):
-        """S -> exp2(S*scale - max*scale) in place; updates the row stats; returns O's row rescale
-        and whether any row of this warp has one (None for the first block: nothing to rescale).
-
-        Row maxima first, then S*scale - max for every element, then the exponentials, then the
-        sums (not with mma_rowsum: the tensor cores sum P). row_sum stays a per-thread partial sum
-        (the quad reduction happens once, in the epilogue). wait_pv_after > 0: wait for GEMM-II
-        after that many exponentials (`pinned_pv_wait`). Lazy rescaling: `row_max` is the maximum
-        the exponentials are taken against, moved up only when some row of the warp has grown
-        past it by more than RESCALE_THRESHOLD (log2 units), so P stays below 2^RESCALE_THRESHOLD
-        and most blocks rescale nothing.
-        """
-        acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
-        rows = cute.size(row_max)
-        cols = cute.size(acc_S_mn, mode=[1])
-        row_scale = cute.make_rmem_tensor(row_max.layout, Float32)
-        max_scaled = cute.make_rmem_tensor(row_max.layout, Float32)
-        m_seen = cute.make_rmem_tensor(row_max.layout, Float32)
-        for r in cutlass.range_constexpr(rows):
-            # Four independent max chains for ILP, then the quad (4 lanes own a row) reduction.
-            part = [acc_S_mn[r, 0], acc_S_mn[r, 1], acc_S_mn[r, 2], acc_S_mn[r, 3]]
-            for c in cutlass.range_constexpr(4, cols):
-                part[c % 4] = cute.arch.fmax(part[c % 4], acc_S_mn[r, c])
-            m_new = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
-            if const_expr(not is_first):
-                m_new = cute.arch.fmax(m_new, row_max[r])
-            m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=2))
-            m_new = cute.arch.fmax(m_new, cute.arch.shuffle_sync_bfly(m_new, offset=1))
-            if const_expr(is_first):
-                max_scaled[r] = self.exp_base(m_new, scale_log2)
-                row_scale[r] = Float32(1.0)
-                row_max[r] = m_new
-            else:
-                m_seen[r] = m_new
-        rescale = None
-        if const_expr(not is_first):
-            # Growth of the max, the largest over this thread's rows (-inf - -inf is NaN, which
-            # fmax drops: a row with no key yet needs nothing; -inf -> finite is +inf: rescale).
-            grow = m_seen[0] - row_max[0]
-            for r in cutlass.range_constexpr(1, rows):
-                grow = cute.arch.fmax(grow, m_seen[r] - row_max[r])
-            rescale = cute.arch.vote_any_sync(grow * scale_log2 > RESCALE_THRESHOLD)
-            row_scale.fill(1.0)
-            if rescale:
-                for r in cutlass.range_constexpr(rows):
-                    row_scale[r] = cute.math.exp2(
-                        row_max[r] * scale_log2 - self.exp_base(m_seen[r], scale_log2), fastmath=True
-                    )
-                    row_max[r] = m_seen[r]
-            for r in cutlass.range_constexpr(rows):
-                max_scaled[r] = self.exp_base(row_max[r], scale_log2)
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                acc_S_mn[r, c] = acc_S_mn[r, c] * scale_log2 - max_scaled[r]
-        for i in cutlass.range_constexpr(rows * cols):
-            acc_S_mn[i // cols, i % cols] = cute.math.exp2(acc_S_mn[i // cols, i % cols], fastmath=True)
-            if const_expr(i + 1 == min(wait_pv_after, rows * cols)):
-                self.pinned_pv_wait(acc_S_mn[i // cols, i % cols])
-        if const_expr(not self.mma_rowsum):
-            for r in cutlass.range_constexpr(rows):
-                sums = [Float32(0.0)] * 4
-                for c in cutlass.range_constexpr(cols):
-                    sums[c % 4] = sums[c % 4] + acc_S_mn[r, c]
-                block_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
-                if const_expr(is_first):
-                    row_sum[r] = block_sum
-                else:
-                    row_sum[r] = row_sum[r] * row_scale[r] + block_sum
-        return row_scale, rescale
-
-    @cute.jit
-    def exp_base(self, m: Float32, scale_log2: Float32) -> Float32:
-        """m * scale_log2, or 0 for a row that has seen no key yet (max -inf)."""
-        m_scaled = m * scale_log2
-        if m == -Float32.inf:
-            m_scaled = Float32(0.0)
-        return m_scaled
-
-    @cute.jit
-    def pinned_pv_wait(self, p: Float32):
-        """wait_group(0) that ptxas keeps after `p` is computed: both arms of a branch on p wait.
-
-        The branch is warp-uniform (lane 0's value), so it costs a shuffle, a compare and a
-        branch; 0x7FC00001 is a NaN bit pattern exp2 does not produce, but either way the wait
-        happens.
-        """
-        key = cute.arch.make_warp_uniform(as_int32(p))
-        if key != Int32(0x7FC00001):
-            warpgroup.wait_group(0)
-        else:
-            warpgroup.wait_group(0)
-
-    @cute.jit
-    def rescale_O(self, c: SimpleNamespace, row_scale: cute.Tensor, rescale):
-        """O (and the tensor-core row sums) *= row_scale by rows, if `rescale` (warp-uniform)."""
-        if rescale:
-            self.rescale_rows(c, row_scale)
-
-    @cute.jit
-    def rescale_O_pending(self, c: SimpleNamespace, o_scale: cute.Tensor):
-        """The factor a softmax left for later (rescale_o_early): all 1.0 when lazy rescaling
-        skipped it, else below 2^-RESCALE_THRESHOLD on some row of the warp."""
-        smallest = o_scale[0]
-        for r in cutlass.range_constexpr(1, cute.size(o_scale)):
-            smallest = cute.arch.fmin(smallest, o_scale[r])
-        self.rescale_O(c, o_scale, cute.arch.vote_any_sync(smallest < Float32(1.0)))
-
-    @cute.jit
-    def rescale_rows(self, c: SimpleNamespace, row_scale: cute.Tensor):
-        accs = [c.acc_O, c.acc_sum] if const_expr(self.mma_rowsum) else [c.acc_O]
-        for acc in accs:
-            acc_mn = cute.make_tensor(acc.iterator, acc_mn_layout(acc.layout))
-            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-                for j in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    acc_mn[r, j] = acc_mn[r, j] * row_scale[r]
 
     @cute.jit
     def store_o_split(
@@ -1338,9 +1204,7 @@ class WsFwdSm90:
     def epilogue(
         self,
         acc_O: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        scale_log2: Float32,
+        lse: cute.Tensor,
         sO: cute.Tensor,
         mbar_Q_empty: cute.Pointer,
         tma_atom_O: cute.CopyAtom,
@@ -1354,23 +1218,7 @@ class WsFwdSm90:
         batch: Int32,
         seqlen: SeqlenInfo,
     ):
-        """O /= rowsum, LSE = (m * scale * log2 e + log2 rowsum) * ln 2; O via smem + TMA store."""
-        acc_O_mn = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
-        lse = cute.make_rmem_tensor((cute.size(row_sum),), Float32)
-        for r in cutlass.range_constexpr(cute.size(row_sum)):
-            total = row_sum[r]
-            if const_expr(not self.mma_rowsum):  # partial sums of the row's four lanes
-                total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
-                total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-            # A row that saw no key: O stays 0 and LSE is -inf.
-            inv = Float32(0.0)
-            lse[r] = -Float32.inf
-            if total > 0.0:
-                inv = cute.arch.rcp_approx(total)
-                lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
-            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * inv
-
+        """O (normalized, `Softmax.finalize`) via smem + TMA store; LSE to global memory."""
         # LSE: one lane per row quad writes (the lane holding column 0), rows inside the sequence.
         cO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
         tOcO_mn = cute.make_tensor(cO.iterator, acc_mn_layout(cO.layout))
