@@ -67,6 +67,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from hopper_fmha.config import ROWSUM_COLS, SMEM_CAPACITY_BYTES, ws_o_buffer, ws_smem_bytes
 
 from .mask import Mask
+from .scheduler import TileScheduler
 from .seqlen import SeqlenInfo
 from .sm90_common import (
     LOG2_E,
@@ -143,11 +144,13 @@ class WsFwdSm90:
         assert cluster_m in (1, 2) and (cluster_m == 1 or not causal)
         assert tile_n % (8 * cluster_m) == 0  # each half whole swizzle atoms
         self.cluster_m = cluster_m
-        # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
-        # differ in work (causal), else in a fixed serpentine order (`next_tile`).
-        self.dynamic_schedule = causal
         self.num_mma_wg = tile_m // 64
         self.num_mma_threads = WARPGROUP * self.num_mma_wg
+        # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
+        # differ in work (causal), else in a fixed serpentine order.
+        self.scheduler = TileScheduler(
+            tile_m, cluster_m, causal, 32 + self.num_mma_threads, BARRIER_TILE_FULL, BARRIER_TILE_EMPTY
+        )
         self.num_threads = WARPGROUP + self.num_mma_threads
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.num_mma_wg]
         # O gets its own shared-memory buffer where it fits beside Q, K and V: the next tile's Q
@@ -290,12 +293,7 @@ class WsFwdSm90:
         )
 
         # Tiles (cluster_m = 2: pairs of query tiles), one per cluster at a time.
-        num_tiles = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m * self.cluster_m)
-        num_tiles = num_tiles * mQ.shape[2] * mQ.shape[3]
-        num_clusters = num_tiles
-        if max_ctas > 0:
-            num_clusters = cutlass.min(num_tiles, cutlass.max(max_ctas // self.cluster_m, 1))
-        grid = (num_clusters * self.cluster_m, 1, 1)
+        grid = self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3], max_ctas)
         self.kernel(
             tma_atom_Q,
             tma_Q,
@@ -427,77 +425,26 @@ class WsFwdSm90:
         if const_expr(self.separate_o or self.split_o):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        sched = (mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3], lpt_group)
+        # Dense: every batch's sequence lengths (`SeqlenInfo.create`).
+        seqlens = (mQ.shape[0], mK.shape[0])
+        num_heads, num_batch = mQ.shape[2], mQ.shape[3]
         s_tile = storage.tile_index.get_tensor(cute.make_layout(1))
         counters = tile_counters.iterator + 2 * counter_slot
+        sched = self.scheduler.create(seqlens[0], num_heads, num_batch, lpt_group, s_tile, counters)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.producer(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_Q, mbar_Q_empty,
-                    pipeline_k, pipeline_v, qhead_per_kvhead, sched, s_tile, counters,
+                    pipeline_k, pipeline_v, qhead_per_kvhead, seqlens, sched,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
             self.consumer(
                 tiled_mma_qk, tiled_mma_pv, tiled_mma_sum, tiled_mma_qk_half, sQ, sK, sV, sO, sOnes, mbar_Q,
-                mbar_Q_empty, pipeline_k, pipeline_v, tma_atom_O, mO, mLSE, scale_log2, tidx, sched, s_tile,
+                mbar_Q_empty, pipeline_k, pipeline_v, tma_atom_O, mO, mLSE, scale_log2, tidx, seqlens, sched,
             )  # fmt: skip
-
-    @cute.jit
-    def tile_coords(self, tile: Int32, sched):
-        """Tile index -> (m_block, head, batch).
-
-        Without lpt_group: m_block fastest, so CTAs running together share one head's K and V.
-        With it (causal): (head, batch) pairs form groups of lpt_group; inside a group tiles go
-        by decreasing work (m_block from the last), heads fastest, so the cheap diagonal tiles
-        come last and fill the tail; K and V of a group fit in L2.
-        """
-        seqlen_q, seqlen_k, num_heads, num_batch, lpt_group = sched
-        num_m = self.num_m_units(seqlen_q)
-        m_block = tile % num_m
-        hb = tile // num_m
-        if lpt_group > 0:
-            num_hb = num_heads * num_batch
-            group_tiles = lpt_group * num_m
-            group = tile // group_tiles
-            rest = tile - group * group_tiles
-            group_size = lpt_group
-            if group == num_hb // lpt_group:  # the last, partial group
-                group_size = num_hb - group * lpt_group
-            m_block = num_m - 1 - rest // group_size
-            hb = group * lpt_group + rest % group_size
-        if const_expr(self.cluster_m > 1):
-            # The pair's query tiles; past the end for the second CTA when the count is odd
-            # (its Q loads as zeros, its O and LSE are clipped or skipped).
-            m_block = m_block * self.cluster_m + cute.arch.block_idx_in_cluster()
-        return m_block, hb % num_heads, hb // num_heads
-
-    @cute.jit
-    def next_tile(self, tile: Int32, cta: Int32, num_ctas: Int32) -> Int32:
-        """The CTA's next tile: rounds of num_ctas tiles, dealt in serpentine order.
-
-        Round r takes tiles [r * num_ctas, (r + 1) * num_ctas); CTA c gets the c-th of an even
-        round and the c-th from the end of an odd one. On a longest-first order (causal) a CTA
-        with a long tile in one round gets a short one in the next, so the work evens out
-        without a global counter. A CTA whose tile is past the end has none in later rounds.
-        """
-        round_start = tile - tile % num_ctas + num_ctas
-        nxt = round_start + cta
-        if (round_start // num_ctas) % 2 == 1:
-            nxt = round_start + num_ctas - 1 - cta
-        return nxt
-
-    @cute.jit
-    def num_tiles(self, sched) -> Int32:
-        seqlen_q, seqlen_k, num_heads, num_batch, lpt_group = sched
-        return self.num_m_units(seqlen_q) * num_heads * num_batch
-
-    @cute.jit
-    def num_m_units(self, seqlen_q: Int32) -> Int32:
-        """Query tiles per (batch, head), counted in clusters (pairs of tiles when cluster_m = 2)."""
-        return ((seqlen_q + self.tile_m - 1) // self.tile_m + self.cluster_m - 1) // self.cluster_m
 
     # ---------------------------------------------------------------- producer
     @cute.jit
@@ -517,32 +464,29 @@ class WsFwdSm90:
         pipeline_k: pipeline.PipelineAsync,
         pipeline_v: pipeline.PipelineAsync,
         qhead_per_kvhead: Int32,
-        sched,
-        s_tile: cute.Tensor,
-        counters: cute.Pointer,
+        seqlens: tuple,
+        sched: TileScheduler,
     ):
         """One warp: every TMA load, tile after tile, in the order the consumers use them.
 
         The K/V pipelines run on across tiles, so the next tile's first blocks load while the
         consumers finish this one; Q waits until the consumers release Q's buffer. Each tile is
-        announced to the consumers through `s_tile` (`announce`), and at the end an index past
-        the last tile, which tells them to stop.
+        announced to the consumers (`TileScheduler.announce`), and at the end an index past the
+        last tile, which tells them to stop. seqlens: the tensors' (seqlen_q, seqlen_k).
         """
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        seqlen_q, seqlen_k = sched[0], sched[1]
-        num_tiles = self.num_tiles(sched)
-        # Scheduling is per cluster; the CTAs of a pair walk the same tiles.
-        cta = cute.arch.block_idx()[0] // self.cluster_m
-        num_ctas = cute.arch.grid_dim()[0] // self.cluster_m
+        seqlen_q, seqlen_k = seqlens
+        num_tiles = sched.num_tiles()
+        cta, num_ctas = sched.ctas()
         rank = cute.arch.block_idx_in_cluster()
         tile = cta
         q_phase = Int32(0)
         announced = Int32(0)
         while tile < num_tiles:
-            self.announce(s_tile, tile, announced)
+            sched.announce(tile, announced)
             announced += 1
-            m_block, head, batch = self.tile_coords(tile, sched)
+            m_block, head, batch = sched.tile_coords(tile)
             head_kv = head // qhead_per_kvhead
             seqlen = SeqlenInfo.create(batch, seqlen_q, seqlen_k)
             n_max, _ = self.mask.block_range(m_block, seqlen)
@@ -585,50 +529,12 @@ class WsFwdSm90:
             # still have about num_stages blocks to go, which hides the atomic. Claimed when
             # this tile started, a CTA would hold a tile it cannot start while others run dry:
             # d256 causal measured 611 vs 673 TFLOP/s (a simulation of the order predicted 7%).
-            tile = self.fetch_tile(tile, cta, num_ctas, counters)
-        self.announce(s_tile, tile, announced)  # past the last tile: the consumers stop
-        if const_expr(self.dynamic_schedule):
-            # The last CTA to get here zeroes the counters for the next launch: every CTA has
-            # had its last answer from the tile counter before it increments the second one.
-            with cute.arch.elect_one():
-                done = cute.arch.atomic_add(counters + 1, Int32(1), sem="acq_rel", scope="gpu")
-                if done == num_ctas - 1:
-                    cute.arch.atomic_exch(counters, Int32(0), sem="relaxed", scope="gpu")
-                    cute.arch.atomic_exch(counters + 1, Int32(0), sem="relaxed", scope="gpu")
+            tile = sched.fetch_tile(tile, cta, num_ctas)
+        sched.announce(tile, announced)  # past the last tile: the consumers stop
+        sched.finish(num_ctas)
         # Stay until the consumers have released every buffer: no arrive lands after exit.
         pipeline_k.producer_tail(k_state)
         pipeline_v.producer_tail(v_state)
-
-    @cute.jit
-    def announce(self, s_tile: cute.Tensor, tile: Int32, announced: Int32):
-        """Producer warp: write the next tile index once the consumers have read the last one.
-
-        Named barriers (not an mbarrier) order the shared-memory word, so that compute-sanitizer's
-        racecheck sees the synchronization: TILE_EMPTY (the consumers arrive after reading) before
-        writing, TILE_FULL (the consumers wait) after.
-        """
-        threads = 32 + self.num_mma_threads
-        if announced > 0:
-            cute.arch.barrier(barrier_id=BARRIER_TILE_EMPTY, number_of_threads=threads)
-        with cute.arch.elect_one():
-            s_tile[0] = tile
-        cute.arch.barrier_arrive(barrier_id=BARRIER_TILE_FULL, number_of_threads=threads)
-
-    @cute.jit
-    def next_announced(self, s_tile: cute.Tensor) -> Int32:
-        """Consumers: the tile the producer announced next."""
-        cute.arch.barrier(barrier_id=BARRIER_TILE_FULL, number_of_threads=32 + self.num_mma_threads)
-        return s_tile[0]
-
-    @cute.jit
-    def fetch_tile(self, tile: Int32, cta: Int32, num_ctas: Int32, counters: cute.Pointer) -> Int32:
-        """The tile after `tile` for this CTA: from the global counter, or serpentine."""
-        if const_expr(self.dynamic_schedule):
-            nxt = Int32(0)
-            if cute.arch.lane_idx() == 0:
-                nxt = cute.arch.atomic_add(counters, Int32(1), sem="relaxed", scope="gpu") + num_ctas
-            return cute.arch.shuffle_sync(nxt, 0)
-        return self.next_tile(tile, cta, num_ctas)
 
     @cute.jit
     def load_block(
@@ -676,8 +582,8 @@ class WsFwdSm90:
         mLSE: cute.Tensor,
         scale_log2: Float32,
         tidx: Int32,
-        sched,
-        s_tile: cute.Tensor,
+        seqlens: tuple,
+        sched: TileScheduler,
     ):
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         # smem operand descriptors are per warpgroup; accumulators per thread.
@@ -724,7 +630,7 @@ class WsFwdSm90:
         o_scale = cute.make_rmem_tensor((rows_per_thread,), Float32)
         cS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         tScS_mn = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
-        seqlen_q, seqlen_k = sched[0], sched[1]
+        seqlen_q, seqlen_k = seqlens
 
         if const_expr(self.pingpong):
             # The first consumer warpgroup starts with the token.
@@ -733,23 +639,19 @@ class WsFwdSm90:
 
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        num_tiles = self.num_tiles(sched)
+        num_tiles = sched.num_tiles()
         q_phase = Int32(0)
-        tile = self.next_announced(s_tile)
+        tile = sched.next_announced()
         while tile < num_tiles:
-            # Read: the producer may write the next index (the last one, past the end, is not
-            # acknowledged; the producer announces nothing after it).
-            cute.arch.barrier_arrive(
-                barrier_id=BARRIER_TILE_EMPTY, number_of_threads=32 + self.num_mma_threads
-            )
+            sched.ack_announced()
             if const_expr(not self.pingpong):
-                # Not needed for correctness (the arrive above orders the read before the
+                # Not needed for correctness (`ack_announced` orders the read before the
                 # producer's next write), but without it compute-sanitizer's racecheck reports
                 # that write as a WAR hazard; kernels with pingpong, whose consumers pass a
                 # consumer-only bar.sync right after the arrive, are reported clean. One sync of
                 # the consumers per tile.
                 cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
-            m_block, head, batch = self.tile_coords(tile, sched)
+            m_block, head, batch = sched.tile_coords(tile)
             seqlen = SeqlenInfo.create(batch, seqlen_q, seqlen_k)
             n_max, n_unmasked = self.mask.block_range(m_block, seqlen)
             acc_O.fill(0.0)
@@ -813,7 +715,7 @@ class WsFwdSm90:
                 acc_O, lse, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
                 thr_mma_pv, tidx, m_block, head, batch, seqlen,
             )  # fmt: skip
-            tile = self.next_announced(s_tile)
+            tile = sched.next_announced()
         # The threads that issued O stores stay until the last one has read sO.
         if const_expr(self.separate_o):
             if tidx // 32 == 0:
