@@ -66,6 +66,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from hopper_fmha.config import ROWSUM_COLS, SMEM_CAPACITY_BYTES, ws_o_buffer, ws_smem_bytes
 
+from .loader import TmaLoader
 from .mask import Mask
 from .scheduler import TileScheduler
 from .seqlen import SeqlenInfo
@@ -79,7 +80,6 @@ from .sm90_common import (
     smem_layout,
     stmatrix_copy,
     tiled_mma_64,
-    tma_load,
 )
 from .softmax import Softmax
 
@@ -144,6 +144,7 @@ class WsFwdSm90:
         assert cluster_m in (1, 2) and (cluster_m == 1 or not causal)
         assert tile_n % (8 * cluster_m) == 0  # each half whole swizzle atoms
         self.cluster_m = cluster_m
+        self.loader = TmaLoader(dtype, tile_m, tile_n, head_dim, cluster_m)
         self.num_mma_wg = tile_m // 64
         self.num_mma_threads = WARPGROUP * self.num_mma_wg
         # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
@@ -250,16 +251,8 @@ class WsFwdSm90:
         sV_layout = self._smem_layout(self.tile_n, self.num_stages)
         sKV_stage_layout = cute.select(sK_layout, mode=[0, 1])
 
-        tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (self.tile_m, self.head_dim))
-        tma_op_kv = tma_op
-        if const_expr(self.cluster_m > 1):
-            tma_op_kv = cpasync.CopyBulkTensorTileG2SMulticastOp()
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_op_kv, mK, sKV_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
-        )
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_op_kv, mV, sKV_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
+        tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V = self.loader.make_atoms(
+            mQ, mK, mV, sQ_layout, sKV_stage_layout
         )
         # O: the whole tile from Q's or its own buffer, or (split_o) 64 x o_cols from a warpgroup's.
         sO_layout = sQ_layout
@@ -479,7 +472,7 @@ class WsFwdSm90:
         seqlen_q, seqlen_k = seqlens
         num_tiles = sched.num_tiles()
         cta, num_ctas = sched.ctas()
-        rank = cute.arch.block_idx_in_cluster()
+        loader = self.loader.create(tma_atom_Q, mQ, sQ, tma_atom_K, mK, sK, tma_atom_V, mV, sV)
         tile = cta
         q_phase = Int32(0)
         announced = Int32(0)
@@ -490,41 +483,28 @@ class WsFwdSm90:
             head_kv = head // qhead_per_kvhead
             seqlen = SeqlenInfo.create(batch, seqlen_q, seqlen_k)
             n_max, _ = self.mask.block_range(m_block, seqlen)
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            # With a cluster, this CTA's share of each K/V block (1/cluster_m of it).
-            kv_layout = cute.make_layout(self.cluster_m)
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_K, rank, kv_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-            )
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_V, rank, kv_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-            )
+            kv = loader.partition(m_block, head, head_kv, batch, seqlen)
             if n_max > 0:
-                k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_max - 1)
+                k_state = loader.load_k(kv, pipeline_k, k_state, n_max - 1)
             # Q is loaded for every tile (also one whose rows see no key) so that both sides
             # count Q's phases alike.
             cute.arch.mbarrier_wait(mbar_Q_empty, q_phase ^ 1)
-            tma_load(tma_atom_Q, tQgQ, tQsQ, mbar_Q, cute.size_in_bytes(self.dtype, sQ.layout))
+            loader.load_q(kv, mbar_Q)
             q_phase = q_phase ^ 1
             if n_max > 0:
                 if const_expr(self.intra_wg_overlap):
                     # GEMM-I of block n runs beside GEMM-II of block n + 1: K_n goes ahead of V_{n+1}.
                     for i in cutlass.range(n_max - 1, unroll=1):
                         n_block = n_max - 2 - i
-                        k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
-                        v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block + 1)
-                    v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, 0)
+                        k_state = loader.load_k(kv, pipeline_k, k_state, n_block)
+                        v_state = loader.load_v(kv, pipeline_v, v_state, n_block + 1)
+                    v_state = loader.load_v(kv, pipeline_v, v_state, 0)
                 else:
-                    v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_max - 1)
+                    v_state = loader.load_v(kv, pipeline_v, v_state, n_max - 1)
                     for i in cutlass.range(n_max - 1, unroll=1):
                         n_block = n_max - 2 - i
-                        k_state = self.load_block(pipeline_k, k_state, tma_atom_K, tKgK, tKsK, n_block)
-                        v_state = self.load_block(pipeline_v, v_state, tma_atom_V, tVgV, tVsV, n_block)
+                        k_state = loader.load_k(kv, pipeline_k, k_state, n_block)
+                        v_state = loader.load_v(kv, pipeline_v, v_state, n_block)
             # Claim the next tile only now, with this tile's last loads issued: the consumers
             # still have about num_stages blocks to go, which hides the atomic. Claimed when
             # this tile started, a CTA would hold a tile it cannot start while others run dry:
@@ -535,30 +515,6 @@ class WsFwdSm90:
         # Stay until the consumers have released every buffer: no arrive lands after exit.
         pipeline_k.producer_tail(k_state)
         pipeline_v.producer_tail(v_state)
-
-    @cute.jit
-    def load_block(
-        self,
-        pipe: pipeline.PipelineAsync,
-        state: pipeline.PipelineState,
-        tma_atom: cute.CopyAtom,
-        tXgX: cute.Tensor,
-        tXsX: cute.Tensor,
-        n_block: Int32,
-    ):
-        """Wait for a free stage, arm its barrier with the byte count, issue the TMA (whole warp)."""
-        pipe.producer_acquire(state)
-        # With a cluster: into the same stage of every CTA of it; each one's barrier counts the bytes.
-        mcast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)} if self.cluster_m > 1 else {}
-        cute.copy(
-            tma_atom,
-            tXgX[None, n_block],
-            tXsX[None, state.index],
-            tma_bar_ptr=pipe.producer_get_barrier(state),
-            **mcast,
-        )
-        state.advance()
-        return state
 
     # ---------------------------------------------------------------- consumers
     @cute.jit

@@ -1,0 +1,171 @@
+"""How Q, K and V arrive in shared memory: the producer warp's loads.
+
+Contract (`TmaLoader`, built from the tile shape and `cluster_m`):
+    host:      make_atoms(mQ, mK, mV, sQ_layout, sKV_stage_layout) -> the TMA atoms and tensors.
+    producer:  create(atoms, tensors, smem buffers) once; per tile, partition(m_block, head,
+               head_kv, batch, seqlen) -> that tile's views; then load_q(views, mbar) and
+               load_k/load_v(views, pipe, state, n_block) -> the next pipeline state, each load
+               into the pipeline's next free stage with its barrier armed for the bytes.
+Today: TMA from dense (s, d, h, b) tensors; with CTA pairs (cluster_m = 2) each CTA loads half of
+every K/V block and multicasts it into both CTAs of the pair.
+To come, each one field of the compile key: paged K/V (blocks gathered through a page table,
+by TMA where a page is a whole block, else cp.async) and varlen (the batch's rows start at
+`seqlen.offset_q/offset_k` of packed tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync
+
+from .seqlen import SeqlenInfo
+from .sm90_common import tma_load
+
+
+@dataclass(frozen=True)
+class TmaLoader:
+    """Loads of tile_m x head_dim Q tiles and tile_n x head_dim K/V blocks, by TMA. `create`
+    adds the producer's atoms, tensors and buffers. A frozen dataclass: the DSL's loops pass it
+    through unchanged."""
+
+    dtype: cutlass.Constexpr[type]
+    tile_m: cutlass.Constexpr[int]
+    tile_n: cutlass.Constexpr[int]
+    head_dim: cutlass.Constexpr[int]
+    cluster_m: cutlass.Constexpr[int] = 1
+    tma_atom_Q: cute.CopyAtom = None
+    mQ: cute.Tensor = None
+    sQ: cute.Tensor = None
+    tma_atom_K: cute.CopyAtom = None
+    mK: cute.Tensor = None
+    sK: cute.Tensor = None
+    tma_atom_V: cute.CopyAtom = None
+    mV: cute.Tensor = None
+    sV: cute.Tensor = None
+    rank: Int32 = None
+
+    # ---------------------------------------------------------------- host side
+    def make_atoms(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ_layout, sKV_stage_layout):
+        """TMA atoms and tensors of Q (one tile per load) and K, V (one block, multicast over the
+        cluster when cluster_m > 1), from (s, d, h, b) tensors."""
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_op, mQ, sQ_layout, (self.tile_m, self.head_dim))
+        tma_op_kv = tma_op
+        if const_expr(self.cluster_m > 1):
+            tma_op_kv = cpasync.CopyBulkTensorTileG2SMulticastOp()
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            tma_op_kv, mK, sKV_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
+        )
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            tma_op_kv, mV, sKV_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
+        )
+        return tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V
+
+    # ---------------------------------------------------------------- device side
+    def create(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        sQ: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        mK: cute.Tensor,
+        sK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        mV: cute.Tensor,
+        sV: cute.Tensor,
+    ) -> TmaLoader:
+        """The producer's loader: the TMA atoms and tensors, the smem buffers (K and V with a
+        stage mode), and this CTA's rank in its cluster."""
+        return replace(
+            self,
+            tma_atom_Q=tma_atom_Q,
+            mQ=mQ,
+            sQ=sQ,
+            tma_atom_K=tma_atom_K,
+            mK=mK,
+            sK=sK,
+            tma_atom_V=tma_atom_V,
+            mV=mV,
+            sV=sV,
+            rank=cute.arch.block_idx_in_cluster(),
+        )
+
+    @cute.jit
+    def partition(self, m_block: Int32, head: Int32, head_kv: Int32, batch: Int32, seqlen: SeqlenInfo):
+        """One tile's views: its Q tile, its head's K and V blocks (indexed by key block) and
+        the smem buffers, as the TMA copies take them. seqlen: where the batch's sequence is
+        (dense: the whole of the batch's rows, nothing to offset)."""
+        sQ, sK, sV = self.sQ, self.sK, self.sV
+        gQ = cute.local_tile(self.mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(self.mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(self.mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            self.tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        # With a cluster, this CTA's share of each K/V block (1/cluster_m of it).
+        kv_layout = cute.make_layout(self.cluster_m)
+        tKsK, tKgK = cpasync.tma_partition(
+            self.tma_atom_K, self.rank, kv_layout, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            self.tma_atom_V, self.rank, kv_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        return SimpleNamespace(tQsQ=tQsQ, tQgQ=tQgQ, tKsK=tKsK, tKgK=tKgK, tVsV=tVsV, tVgV=tVgV)
+
+    @cute.jit
+    def load_q(self, views: SimpleNamespace, mbar_Q: cute.Pointer):
+        """The tile's Q into Q's buffer (whole warp), `mbar_Q` armed for its bytes."""
+        tma_load(
+            self.tma_atom_Q, views.tQgQ, views.tQsQ, mbar_Q, cute.size_in_bytes(self.dtype, self.sQ.layout)
+        )
+
+    @cute.jit
+    def load_k(
+        self,
+        views: SimpleNamespace,
+        pipe: pipeline.PipelineAsync,
+        state: pipeline.PipelineState,
+        n_block: Int32,
+    ):
+        """K of block n_block into the pipeline's next stage; returns the advanced state."""
+        return self.load_block(pipe, state, self.tma_atom_K, views.tKgK, views.tKsK, n_block)
+
+    @cute.jit
+    def load_v(
+        self,
+        views: SimpleNamespace,
+        pipe: pipeline.PipelineAsync,
+        state: pipeline.PipelineState,
+        n_block: Int32,
+    ):
+        """V of block n_block into the pipeline's next stage; returns the advanced state."""
+        return self.load_block(pipe, state, self.tma_atom_V, views.tVgV, views.tVsV, n_block)
+
+    @cute.jit
+    def load_block(
+        self,
+        pipe: pipeline.PipelineAsync,
+        state: pipeline.PipelineState,
+        tma_atom: cute.CopyAtom,
+        tXgX: cute.Tensor,
+        tXsX: cute.Tensor,
+        n_block: Int32,
+    ):
+        """Wait for a free stage, arm its barrier with the byte count, issue the TMA (whole warp)."""
+        pipe.producer_acquire(state)
+        # With a cluster: into the same stage of every CTA of it; each one's barrier counts the bytes.
+        mcast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)} if self.cluster_m > 1 else {}
+        cute.copy(
+            tma_atom,
+            tXgX[None, n_block],
+            tXsX[None, state.index],
+            tma_bar_ptr=pipe.producer_get_barrier(state),
+            **mcast,
+        )
+        state.advance()
+        return state
