@@ -475,3 +475,34 @@ def test_kernel_config_hash_follows_its_fields():
     assert a == b and hash(a) == hash(b)
     c = dataclasses.replace(a, pin_pv_wait=a.pin_pv_wait + 1)
     assert c != a and len({a, b, c}) == 2
+
+
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads",
+    [(7, 4, 2), (3, 9, 3), (2, 9, 1), (2, 8, 2), (1, 14, 2)],
+    ids=["batch", "heads-gqa", "heads-mqa-group-past-limit", "groups-past-limit", "heads-two-groups"],
+)
+def test_grid_parts_cover_every_batch_and_head_once(batch, heads, kv_heads):
+    # The paper kernel launches batches and head counts past the grid's 65535 in parts; here with
+    # a limit of 3, each part run by a stand-in that computes the reference on its views, mapping
+    # q head h of the part to kv head h // (its q heads // its kv heads) as the kernel does.
+    from hopper_fmha.kernels import grid_parts
+
+    q, k, v = qkv(batch=batch, seqlen_q=3, seqlen_k=5, heads=heads, kv_heads=kv_heads)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((batch, heads, 3), math.nan)
+    for pq, pk, pv, po, pl in grid_parts(q, k, v, out, lse, limit=3):
+        assert pq.shape[0] <= 3 and pq.shape[2] <= 3 and pq.shape[2] % pk.shape[2] == 0
+        o, l = reference(pq, pk, pv, 0.5, False)
+        po.copy_(o)
+        pl.copy_(l)
+    # Each (batch, head) in exactly one part: count the parts that write it.
+    out_count, lse_count = torch.zeros(batch, 1, heads, 1), torch.zeros(batch, heads, 1)
+    for *_, po, pl in grid_parts(q, k, v, out_count, lse_count, limit=3):
+        po += 1
+        pl += 1
+    assert torch.equal(out_count, torch.ones_like(out_count))
+    assert torch.equal(lse_count, torch.ones_like(lse_count))
+    ref_out, ref_lse = reference(q, k, v, 0.5, False)
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)

@@ -42,7 +42,41 @@ LPT_L2_BYTES = 50 * 1024 * 1024
 
 def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg, *, exact_lse: bool = True) -> None:
     fn, args = prepared_launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
+    if cfg.variant == "paper" and (q.shape[0] > GRID_YZ_MAX or q.shape[2] > GRID_YZ_MAX):
+        for part in grid_parts(q, k, v, out, lse):
+            fn(*launch_arguments(*part, softmax_scale, causal, ws=False))
+        return
     fn(*args)
+
+
+# The paper kernel's grid is (query tiles, heads, batch), and a grid's y and z stop at 65535 (x at
+# 2^31 - 1). Larger head counts or batches launch in parts (`grid_parts`), so that the kernel keeps
+# the block indices its tiles were tuned with (a grid along x alone, split by division in the
+# kernel, measured 2-6% slower at d = 64, N = 512 and 1024, the problems it runs).
+# The ws kernel's grid is along x alone.
+GRID_YZ_MAX = 65535
+
+
+def grid_parts(q, k, v, out, lse, limit: int = GRID_YZ_MAX):
+    """(q, k, v, out, lse) views of at most `limit` batches and `limit` q heads each, covering every
+    (batch, head) once. A part holds whole GQA groups, or, where a group is larger than `limit`,
+    a slice of one group with its one kv head (the kernel then maps all its q heads to it)."""
+    batch, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
+    group = heads // kv_heads
+    if group <= limit:
+        step = limit // group * group
+        spans = [(h0, min(h0 + step, heads)) for h0 in range(0, heads, step)]
+    else:
+        spans = [
+            (g * group + s, min(g * group + s + limit, (g + 1) * group))
+            for g in range(kv_heads)
+            for s in range(0, group, limit)
+        ]
+    for b0 in range(0, batch, limit):
+        b = slice(b0, min(b0 + limit, batch))
+        for h0, h1 in spans:
+            kv = slice(h0 // group, (h1 - 1) // group + 1)
+            yield q[b, :, h0:h1], k[b, :, kv], v[b, :, kv], out[b, :, h0:h1], lse[b, h0:h1]
 
 
 def prepared_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg, *, exact_lse: bool = True):
