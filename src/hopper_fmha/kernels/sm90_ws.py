@@ -13,24 +13,40 @@ ones that need a mask come first) down to block 0:
     O += P V_0
     O /= rowsum; LSE = m + log(rowsum); O -> smem (stmatrix) -> TMA store
 
+Parts, one file and one concept each (today's cases; to come, after the semicolon): the loops
+below call them, and a feature that changes one adds its field to the compile key there.
+    seqlen.py     `SeqlenInfo`     where a batch's query rows and keys are (dense; varlen, seqused)
+    mask.py       `Mask`           which key blocks a tile visits, which need an element mask,
+                                   and that mask (sequence tail, bottom-right causal; windows)
+    softmax.py    `Softmax`        what happens to a score and what joins the denominator: the
+                                   online softmax with lazy rescaling, O's normalization, the
+                                   LSE (scale; softcap, sinks)
+    scheduler.py  `TileScheduler`  who takes which tile (persistent CTAs, serpentine order or
+                                   longest-first from a global counter; varlen, split-KV)
+    loader.py     `TmaLoader`      how Q, K and V arrive (TMA, multicast over CTA pairs; paged K/V)
+    epilogue.py   `Epilogue`       where O and LSE go (O through its own, a per-warpgroup or
+                                   Q's buffer and a TMA store; varlen, split-KV)
+    sm90_common.py                 the WGMMA issue, accumulator views, fp32 -> 16-bit packing
+The parts are frozen dataclasses, their static fields `Constexpr`: the DSL's dynamic loops pass
+them through as they are (a plain object used inside a dynamic `while` does not compile).
+This file: the switches (`__init__`), the launcher (`__call__`), the warp roles (`kernel`), the
+producer's load order and the consumers' block steps (both GEMMs, the overlap, pingpong,
+causal_trim, Q's release).
+
 Warp roles (`num_threads` = 128 * (1 + tile_m / 64)):
     warpgroup 0      producer. Its warp 0 walks the CTA's tiles, announces each to the
-                     consumers (`announce`) and issues every TMA load: K_last, Q, then K_{j}
-                     ahead of V_{j+1} (GEMM-I of a block needs K only), through two mbarrier
-                     pipelines (K and V, `num_stages` buffers each) and Q's full/empty barriers.
+                     consumers and issues every TMA load: K_last, Q, then K_{j} ahead of
+                     V_{j+1} (GEMM-I of a block needs K only), through two mbarrier pipelines
+                     (K and V, `num_stages` buffers each) and Q's full/empty barriers.
     warpgroups 1..   consumers, 64 query rows each: both GEMMs, softmax, epilogue.
 Persistent CTAs (one per SM, `max_ctas`) loop over tiles; the K/V pipelines run on across
-tiles, so the next tile's loads overlap this tile's last blocks and epilogue. Tiles of equal
-work go in a fixed serpentine order; causal tiles, longest first within groups of heads whose
-K/V fit in L2, go to whichever CTA takes the next index from a global counter.
+tiles, so the next tile's loads overlap this tile's last blocks and epilogue.
 Pingpong (`pingpong=True`): the consumer warpgroups pass a token around a ring of named
 barriers and issue their GEMMs only while holding it, so one warpgroup's softmax runs while
 the other's GEMMs occupy the tensor cores (FlashAttention-3's warp scheduler barriers).
 `rescale_o_early` (d = 256) rescales O while GEMM-I runs instead of after GEMM-II.
-Lazy rescaling: the max the exponentials are taken against moves only when some row of a warp
-has grown past it by more than RESCALE_THRESHOLD (8, log2 units; P stays below 256), so after the
-first blocks O's rescale is mostly a skipped branch. `mma_rowsum` (d = 64 non-causal): P's row
-sums come from a 64x8 GEMM of P against ones, issued with GEMM-II, instead of adds in the softmax.
+`mma_rowsum` (d = 64 non-causal): P's row sums come from a 64x8 GEMM of P against ones, issued
+with GEMM-II, instead of adds in the softmax.
 `intra_wg_overlap=False` gives the plain loop (GEMM-I, softmax, GEMM-II, each waited).
 `release_q_at_qk`: the consumers release Q's buffer right after the tile's last GEMM-I (block 0's),
 not after its last GEMM-II, so the next tile's Q loads beside block 0's softmax, GEMM-II and
@@ -66,6 +82,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from hopper_fmha.config import ROWSUM_COLS, SMEM_CAPACITY_BYTES, ws_o_buffer, ws_smem_bytes
 
+from .epilogue import Epilogue
 from .loader import TmaLoader
 from .mask import Mask
 from .scheduler import TileScheduler
@@ -78,7 +95,6 @@ from .sm90_common import (
     convert,
     gemm,
     smem_layout,
-    stmatrix_copy,
     tiled_mma_64,
 )
 from .softmax import Softmax
@@ -124,7 +140,6 @@ class WsFwdSm90:
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.causal = causal
-        self.mask = Mask(tile_m, tile_n, causal)
         self.num_stages = num_stages
         self.intra_wg_overlap = intra_wg_overlap
         self.pingpong = pingpong
@@ -144,14 +159,8 @@ class WsFwdSm90:
         assert cluster_m in (1, 2) and (cluster_m == 1 or not causal)
         assert tile_n % (8 * cluster_m) == 0  # each half whole swizzle atoms
         self.cluster_m = cluster_m
-        self.loader = TmaLoader(dtype, tile_m, tile_n, head_dim, cluster_m)
         self.num_mma_wg = tile_m // 64
         self.num_mma_threads = WARPGROUP * self.num_mma_wg
-        # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
-        # differ in work (causal), else in a fixed serpentine order.
-        self.scheduler = TileScheduler(
-            tile_m, cluster_m, causal, 32 + self.num_mma_threads, BARRIER_TILE_FULL, BARRIER_TILE_EMPTY
-        )
         self.num_threads = WARPGROUP + self.num_mma_threads
         self.producer_regs, self.consumer_regs = REGISTER_SPLIT[self.num_mma_wg]
         # O gets its own shared-memory buffer where it fits beside Q, K and V: the next tile's Q
@@ -181,7 +190,6 @@ class WsFwdSm90:
             "causal_trim needs intra_wg_overlap and no mma_rowsum (else ptxas serializes the WGMMAs)"
         )
         self.trim_half = self.trim and tile_n % 32 == 0  # half of the keys in whole 16-key K blocks
-        self.o_cols = min(head_dim, 128)
         self.separate_o = not split_o and fits == "own"
         self.early_q_release = self.separate_o or split_o
         # release_q_at_qk (overlapped loop): the consumers release Q's buffer in the block step
@@ -195,6 +203,18 @@ class WsFwdSm90:
         )
         assert not mma_rowsum or self.smem_bytes <= SMEM_CAPACITY_BYTES, (
             "mma_rowsum: the block of ones does not fit in shared memory beside Q, K and V"
+        )
+
+        # The parts (see the module docstring).
+        self.mask = Mask(tile_m, tile_n, causal)
+        self.loader = TmaLoader(dtype, tile_m, tile_n, head_dim, cluster_m)
+        # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
+        # differ in work (causal), else in a fixed serpentine order.
+        self.scheduler = TileScheduler(
+            tile_m, cluster_m, causal, 32 + self.num_mma_threads, BARRIER_TILE_FULL, BARRIER_TILE_EMPTY
+        )
+        self.epilogue = Epilogue(
+            dtype, tile_m, head_dim, self.num_mma_wg, o_buffer, BARRIER_EPILOGUE, BARRIER_O_SLOT
         )
 
     # ---------------------------------------------------------------- host side
@@ -254,18 +274,8 @@ class WsFwdSm90:
         tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V = self.loader.make_atoms(
             mQ, mK, mV, sQ_layout, sKV_stage_layout
         )
-        # O: the whole tile from Q's or its own buffer, or (split_o) 64 x o_cols from a warpgroup's.
-        sO_layout = sQ_layout
-        o_box = (self.tile_m, self.head_dim)
-        if const_expr(self.split_o):
-            sO_layout = self._smem_layout(64, self.num_mma_wg, self.o_cols)
-            o_box = (64, self.o_cols)
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), o_box
-        )
-        o_elems = 8
-        if const_expr(self.separate_o or self.split_o):
-            o_elems = cute.cosize(sO_layout)
+        # O: the whole tile from Q's or its own buffer, or (split_o) 64 x 128 from a warpgroup's.
+        sO_layout, o_elems, tma_atom_O, tma_O = self.epilogue.make_atom(mO, sQ_layout)
 
         @cute.struct
         class SharedStorage:
@@ -667,18 +677,12 @@ class WsFwdSm90:
                 else:
                     self.release_q(mbar_Q_empty)
             lse = softmax.finalize(acc_O, acc_sum)
-            self.epilogue(
+            self.epilogue.store(
                 acc_O, lse, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
                 thr_mma_pv, tidx, m_block, head, batch, seqlen,
             )  # fmt: skip
             tile = sched.next_announced()
-        # The threads that issued O stores stay until the last one has read sO.
-        if const_expr(self.separate_o):
-            if tidx // 32 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        if const_expr(self.split_o):
-            if tidx % WARPGROUP < 32:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self.epilogue.drain(tidx)
 
     @cute.jit
     def pingpong_wait(self, wg: Int32):
@@ -1011,106 +1015,3 @@ class WsFwdSm90:
             c.softmax.rescale_O(c.accs, row_scale, rescale)
         v_state = self.pv_waited(v_state, True, c, trim_block)
         return k_state, v_state
-
-    @cute.jit
-    def store_o_split(
-        self,
-        rO: cute.Tensor,
-        sO: cute.Tensor,
-        tma_atom_O: cute.CopyAtom,
-        mO: cute.Tensor,
-        tidx: Int32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-    ):
-        """split_o: a warpgroup's 64 rows of O through its own buffer, o_cols columns per pass.
-
-        The first warp of the warpgroup issues each TMA store and, before the buffer is written
-        again (next pass or next tile), waits until that store has read it.
-        """
-        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        wtid = tidx % WARPGROUP
-        # The accumulator of one 64 x o_cols block, as a single-warpgroup GEMM would hold it.
-        slot_mma = tiled_mma_64(self.dtype, OperandMajorMode.K, self.o_cols)
-        smem_copy_O = stmatrix_copy(self.dtype, slot_mma, wtid)
-        sO_wg = sO[None, None, wg]
-        tOsO = smem_copy_O.partition_D(sO_wg)
-        gO = cute.local_tile(
-            mO[None, None, head, batch], (64, self.o_cols), (m_block * self.num_mma_wg + wg, None)
-        )
-        tOsO_tma, tOgO_tma = cpasync.tma_partition(
-            tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO_wg, 0, 2), cute.group_modes(gO, 0, 2)
-        )
-        # Pass h holds column groups [h * o_cols / 8, (h + 1) * o_cols / 8) of the accumulator.
-        groups = self.o_cols // 8
-        pass_layout = cute.make_layout(((2, 2, groups), 1, 1), stride=((1, 2, 4), 0, 0))
-        issuer = wtid < 32
-        for h in cutlass.range_constexpr(self.head_dim // self.o_cols):
-            if issuer:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=BARRIER_O_SLOT + wg, number_of_threads=WARPGROUP)
-            rO_h = cute.make_tensor(rO.iterator + h * 4 * groups, pass_layout)
-            cute.copy(smem_copy_O, smem_copy_O.retile(rO_h), tOsO)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=BARRIER_O_SLOT + wg, number_of_threads=WARPGROUP)
-            if issuer:
-                cute.copy(tma_atom_O, tOsO_tma, tOgO_tma[None, h])
-                cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def epilogue(
-        self,
-        acc_O: cute.Tensor,
-        lse: cute.Tensor,
-        sO: cute.Tensor,
-        mbar_Q_empty: cute.Pointer,
-        tma_atom_O: cute.CopyAtom,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        tiled_mma_pv: cute.TiledMma,
-        thr_mma_pv: cute.ThrMma,
-        tidx: Int32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        seqlen: SeqlenInfo,
-    ):
-        """O (normalized, `Softmax.finalize`) via smem + TMA store; LSE to global memory."""
-        # LSE: one lane per row quad writes (the lane holding column 0), rows inside the sequence.
-        cO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        tOcO_mn = cute.make_tensor(cO.iterator, acc_mn_layout(cO.layout))
-        if tOcO_mn[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * self.tile_m + tOcO_mn[r, 0][0]
-                if row < seqlen.seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
-
-        # O: registers -> smem (stmatrix) -> TMA store. With its own buffer, O waits only for the
-        # previous tile's store to have read it. In Q's buffer: a warpgroup's rows of sQ are read
-        # only by its own GEMM-Is, all complete here, so it writes them without a barrier.
-        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
-        convert(acc_O, rO)
-        if const_expr(self.split_o):
-            self.store_o_split(rO, sO, tma_atom_O, mO, tidx, m_block, head, batch)
-            return
-        if const_expr(self.separate_o):
-            if tidx // 32 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
-        smem_copy_O = stmatrix_copy(self.dtype, tiled_mma_pv, tidx)
-        cute.copy(smem_copy_O, smem_copy_O.retile(rO), smem_copy_O.partition_D(sO))
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
-        if tidx // 32 == 0:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-            )
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(not self.separate_o):
-                # Q's buffer is free once the store has read it.
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(mbar_Q_empty)
