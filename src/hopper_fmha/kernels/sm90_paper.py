@@ -18,6 +18,9 @@ Causal 128x128 tiles (d = 64, beyond the paper): in a diagonal block whose keys 
 the causal limit of every one of the first 64 rows, those rows run a 64x64 GEMM-I and a GEMM-II
 over the first 64 keys only; the block's other half runs in full.
 
+Which key blocks a tile visits and the element mask (sequence tail, bottom-right causal) come
+from `mask.Mask`, with lengths from `seqlen.SeqlenInfo`: the parts the ws kernel uses.
+
 Warp roles: none. All 128 threads run the math; warp 0 also issues the TMA copies.
 Register use: fp32 S (tile_m*tile_n/128) and O (tile_m*d/128) accumulators per thread plus P;
 `hopper_fmha.config.check_fits` rejects tiles that cannot fit. Shared memory: one stage of Q,
@@ -35,6 +38,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
+from .mask import Mask
+from .seqlen import SeqlenInfo
 from .sm90_common import (
     LN_2,
     LOG2_E,
@@ -78,6 +83,7 @@ class PaperFwdSm90:
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.causal = causal
+        self.mask = Mask(tile_m, tile_n, causal)
         # Causal, 128x128: in a diagonal block the first 64 rows see at most the first 64 keys,
         # so their GEMM-I is 64x64 and their GEMM-II takes half the K blocks (`step`).
         self.trim_diagonal = causal and tile_m == 128 and tile_n == 128
@@ -240,16 +246,9 @@ class PaperFwdSm90:
         bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)
         bytes_KV = cute.size_in_bytes(self.dtype, sK_layout)
 
-        # Key tiles this query tile sees. Causal is bottom-right aligned: row i sees key
-        # j <= i + seqlen_k - seqlen_q. Tiles [0, n_unmasked) need no mask.
-        n_max = (seqlen_k + self.tile_n - 1) // self.tile_n
-        n_unmasked = seqlen_k // self.tile_n
-        if const_expr(self.causal):
-            first_row_limit = m_block * self.tile_m + seqlen_k - seqlen_q + 1  # keys < this: all rows see
-            last_row_limit = first_row_limit + self.tile_m - 1
-            n_max = cutlass.min(n_max, (cutlass.max(last_row_limit, 0) + self.tile_n - 1) // self.tile_n)
-            n_unmasked = cutlass.min(n_unmasked, cutlass.max(first_row_limit, 0) // self.tile_n)
-        n_unmasked = cutlass.min(n_unmasked, n_max)
+        # Key tiles this query tile sees; tiles [0, n_unmasked) need no mask.
+        seqlen = SeqlenInfo.create(batch, seqlen_q, seqlen_k)
+        n_max, n_unmasked = self.mask.block_range(m_block, seqlen)
 
         if is_tma_warp:
             tma_load(tma_atom_Q, tQgQ, tQsQ, mbar_Q, bytes_Q)
@@ -300,21 +299,21 @@ class PaperFwdSm90:
         for n_block in cutlass.range(n_unmasked, unroll=1):
             self.step(
                 n_block, n_max, False, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O,
-                acc_O_mn, row_max, row_sum, tScS_mn, scale_log2, m_block, seqlen_q, seqlen_k,
+                acc_O_mn, row_max, row_sum, tScS_mn, scale_log2, m_block, seqlen,
                 tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV, mbar_K, mbar_V, bytes_KV, is_tma_warp,
                 None,
             )  # fmt: skip
         for n_block in cutlass.range(n_unmasked, n_max, unroll=1):
             self.step(
                 n_block, n_max, True, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_S, acc_O,
-                acc_O_mn, row_max, row_sum, tScS_mn, scale_log2, m_block, seqlen_q, seqlen_k,
+                acc_O_mn, row_max, row_sum, tScS_mn, scale_log2, m_block, seqlen,
                 tma_atom_K, tKgK, tKsK, tma_atom_V, tVgV, tVsV, mbar_K, mbar_V, bytes_KV, is_tma_warp,
                 trim,
             )  # fmt: skip
 
         self.epilogue(
             acc_O, acc_O_mn, row_max, row_sum, scale_log2, sQ, tma_atom_O, mO, mLSE, tiled_mma_pv,
-            thr_mma_pv, tidx, m_block, head, batch, seqlen_q, is_tma_warp,
+            thr_mma_pv, tidx, m_block, head, batch, seqlen.seqlen_q, is_tma_warp,
         )  # fmt: skip
 
     @cute.jit
@@ -336,8 +335,7 @@ class PaperFwdSm90:
         tScS_mn: cute.Tensor,
         scale_log2: Float32,
         m_block: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
+        seqlen: SeqlenInfo,
         tma_atom_K: cute.CopyAtom,
         tKgK: cute.Tensor,
         tKsK: cute.Tensor,
@@ -371,7 +369,7 @@ class PaperFwdSm90:
         else:
             # Row 63 of the tile, the last of the first 64, sees keys up to
             # m_block * 128 + 63 + seqlen_k - seqlen_q: none of keys 64..127 of this block.
-            trimmed = m_block * self.tile_m + seqlen_k - seqlen_q <= n_block * self.tile_n
+            trimmed = m_block * self.tile_m + seqlen.seqlen_k - seqlen.seqlen_q <= n_block * self.tile_n
             if trimmed:
                 self.gemm_qk_trimmed(acc_S, tSrK, tiled_mma_qk, trim)
             else:
@@ -386,7 +384,7 @@ class PaperFwdSm90:
         # Online softmax on S, in registers.
         acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         if const_expr(masked):
-            self.apply_mask(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k)
+            self.mask.apply(acc_S, tScS_mn, m_block, n_block, seqlen)
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             m_old = row_max[r]
             m_new = m_old
@@ -454,27 +452,6 @@ class PaperFwdSm90:
                 acc_S[i, 0, 0] = acc_lo[i]
             else:
                 acc_S[i, 0, 0] = -Float32.inf
-
-    @cute.jit
-    def apply_mask(
-        self,
-        acc_S_mn: cute.Tensor,
-        tScS_mn: cute.Tensor,
-        m_block: Int32,
-        n_block: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-    ):
-        """-inf outside the sequence (key tail) and above the bottom-right causal diagonal."""
-        col_limit_seq = seqlen_k - n_block * self.tile_n
-        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-            col_limit = col_limit_seq
-            if const_expr(self.causal):
-                row = m_block * self.tile_m + tScS_mn[r, 0][0]
-                col_limit = cutlass.min(col_limit, row + seqlen_k - seqlen_q + 1 - n_block * self.tile_n)
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                if tScS_mn[0, c][1] >= col_limit:
-                    acc_S_mn[r, c] = -Float32.inf
 
     @cute.jit
     def epilogue(
