@@ -141,10 +141,13 @@ class PaperFwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        # One CTA per (m_block, head, batch), numbered m_block fastest along x alone: the grid's y
-        # and z stop at 65535, which a batch or a head count may pass; x goes to 2^31 - 1. The
-        # hardware starts CTAs in the same order as the (m_block, head, batch) grid it replaces.
-        grid = (cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m) * mQ.shape[2] * mQ.shape[3], 1, 1)
+        # One CTA per (m_block, head, batch). A grid's y and z stop at 65535: `kernels.forward`
+        # launches larger head counts and batches in parts (`kernels.grid_parts`).
+        grid = (
+            cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
+            cute.size(mQ.shape[2]),
+            cute.size(mQ.shape[3]),
+        )
         self.kernel(
             tma_atom_Q,
             tma_Q,
@@ -198,15 +201,10 @@ class PaperFwdSm90:
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        head_kv = head // qhead_per_kvhead
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        tile, _, _ = cute.arch.block_idx()
-        num_m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
-        m_block = tile % num_m_blocks
-        head_batch = tile // num_m_blocks
-        head = head_batch % mQ.shape[2]
-        batch = head_batch // mQ.shape[2]
-        head_kv = head // qhead_per_kvhead
         # Warp 0 issues the TMA copies (the copy elects its own thread; barrier setup elects one).
         is_tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
 
