@@ -243,3 +243,243 @@ def emulate_varlen(
         out[q_start:q_end] = o[0]
         lse[:, q_start:q_end] = l[0]
     return out, lse
+
+
+# ---- Decoding: split-KV (flash decoding) and PackGQA ----
+#
+# The FA3 kernels (hopper/block.h, hopper/pack_gqa.h, hopper/flash_fwd_combine_kernel.h) and FA4's
+# (flash_attn/cute): with num_splits > 1, each Q tile's K/V tile range [n_block_min, n_block_max)
+# is cut into num_splits contiguous pieces of ceil((n_block_max - n_block_min) / num_splits) whole
+# tiles (FA3's BlockInfo.get_n_block_min_max); split s writes a partial (O_s, LSE_s) normalized
+# over its own keys, and a combine kernel merges them by their LSE. Without a mask limiting the
+# range, split s takes tiles [s * ceil(nblocks / num_splits), (s + 1) * ceil(nblocks / num_splits)).
+# Splits past the end hold no tile: O_s = 0, LSE_s = -inf. The learnable sink joins split 0 only
+# (FA4: `split_idx == 0`), so it is counted once in the combined LSE.
+#
+# PackGQA: the `group` q heads sharing one kv head are packed with the queries into one row
+# dimension of seqlen_q * group rows, row r = query index r // group, q head (within the group)
+# r % group (FA3's ((qhead_per_khead, seqlen_q)) layout, divmod(r, qhead_per_khead)), so a decode
+# step (seqlen_q = 1) fills a tile with the group's heads instead of one row. A tile's mask and
+# tile range follow the query indices of its rows.
+
+
+def pack_gqa_rows(seqlen_q: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """PackGQA's row mapping: for packed rows r = 0 .. seqlen_q * group - 1, (q head in group, query index).
+
+    Row r is q head kv_head * group + r % group at query index r // group.
+    """
+    r = np.arange(seqlen_q * group)
+    return r % group, r // group
+
+
+def split_block_range(n_block_min: int, n_block_max: int, split: int, num_splits: int) -> tuple[int, int]:
+    """The K/V tiles of split `split` within a Q tile's range [n_block_min, n_block_max) (FA3's rule).
+
+    Contiguous pieces of ceil(range / num_splits) tiles; the last pieces may be short or empty.
+    """
+    if num_splits < 1 or not 0 <= split < num_splits:
+        raise ValueError(f"need 0 <= split < num_splits with num_splits >= 1, got {split}, {num_splits}")
+    per_split = _ceil_div(n_block_max - n_block_min, num_splits) if n_block_max > n_block_min else 0
+    start = n_block_min + split * per_split
+    stop = min(start + per_split, n_block_max)
+    return start, max(start, stop)
+
+
+def _walk_rows(
+    q_rows, row_group, k, v, seqlen_q, scale, left, right, softcap, sink, block_m, block_n, splits
+):
+    """Algorithm 2 over rows of query index r // row_group, one partial result per split.
+
+    q_rows (..., R, D) with R rows, row r at query index r // row_group (1 unpacked, group packed);
+    k, v (..., Sk, D / Dv) broadcasting against it; sink None or (..., R) broadcasting against it.
+    `splits`: (split, num_splits) pairs, each walking its piece of every tile's range. Returns a
+    list of (O (..., R, Dv), lse (..., R)), each normalized over its own keys (O = 0 and lse = -inf
+    where it saw none; lse = sink there with the sink).
+    """
+    seqlen_k = k.shape[-2]
+    num_rows = q_rows.shape[-2]
+    head_dim_v = v.shape[-1]
+    results = []
+    for split, num_splits in splits:
+        out = np.zeros(np.broadcast_shapes(q_rows.shape[:-2], v.shape[:-2]) + (num_rows, head_dim_v))
+        lse = np.full(out.shape[:-1], -np.inf)
+        for m_start in range(0, num_rows, block_m):
+            q_i = _pad_rows(q_rows, m_start, block_m)
+            # The tile's rows, unclamped past the end as the kernel's tile range is (FA3: m_idx_max from
+            # (m_block + 1) * kBlockM): query index of row r is r // group packed, r otherwise.
+            rows_q = (m_start + np.arange(block_m)) // row_group
+            q_first, q_last = int(rows_q[0]), int(rows_q[-1])
+            n_min, n_max = block_range(
+                q_first, q_last - q_first + 1, block_n, seqlen_q, seqlen_k, left, right
+            )
+            n_min, n_max = split_block_range(n_min, n_max, split, num_splits)
+            o_i = np.zeros(out.shape[:-2] + (block_m, head_dim_v))
+            m_i = np.full(out.shape[:-2] + (block_m,), -np.inf)
+            sum_i = np.zeros(m_i.shape)
+            diagonal = (rows_q + seqlen_k - seqlen_q)[:, None]
+            for j in range(n_min, n_max):
+                n_start = j * block_n
+                s_ij = scale * (q_i @ np.swapaxes(_pad_rows(k, n_start, block_n), -1, -2))
+                if softcap:
+                    s_ij = softcap * np.tanh(s_ij / softcap)
+                if needs_mask(
+                    q_first, n_start, q_last - q_first + 1, block_n, seqlen_q, seqlen_k, left, right
+                ):
+                    cols = n_start + np.arange(block_n)[None, :]
+                    hidden = np.broadcast_to(cols >= seqlen_k, (block_m, block_n))
+                    if right >= 0:
+                        hidden = hidden | (cols > diagonal + right)
+                    if left >= 0:
+                        hidden = hidden | (cols < diagonal - left)
+                    s_ij = np.where(hidden, -np.inf, s_ij)
+                m_old = m_i
+                m_i = np.maximum(m_old, s_ij.max(axis=-1))
+                m_shift = np.where(np.isneginf(m_i), 0.0, m_i)
+                p_ij = np.exp(s_ij - m_shift[..., None])
+                rescale = np.exp(m_old - m_shift)
+                sum_i = rescale * sum_i + p_ij.sum(axis=-1)
+                o_i = rescale[..., None] * o_i + p_ij @ _pad_rows(v, n_start, block_n)
+            stop = min(m_start + block_m, num_rows)
+            if sink is not None and split == 0:  # FA4: the sink joins split 0's finalize only
+                sink_i = np.broadcast_to(_pad_rows(sink[..., None], m_start, block_m)[..., 0], m_i.shape)
+                m_i = np.where(np.isneginf(m_i), sink_i, m_i)
+                with np.errstate(invalid="ignore"):
+                    sum_i = sum_i + np.exp(sink_i - m_i)
+            empty = ~(sum_i > 0)
+            o_i = o_i / np.where(empty, 1.0, sum_i)[..., None]
+            out[..., m_start:stop, :] = o_i[..., : stop - m_start, :]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                lse_i = np.where(empty, -np.inf, m_i + np.log(sum_i))
+            lse[..., m_start:stop] = lse_i[..., : stop - m_start]
+        results.append((out, lse))
+    return results
+
+
+def _decode_inputs(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, pack_gqa):
+    """Heads-major rows for `_walk_rows`: (B, Hkv, group, Sq, D) unpacked, (B, Hkv, Sq * group, D) packed."""
+    left, right = resolve_window(causal, window_size)
+    softcap = check_softcap(softcap)
+    q, k, v = _as_f64(q), _as_f64(k), _as_f64(v)
+    batch, seqlen_q, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    scale = default_softmax_scale(head_dim) if softmax_scale is None else float(softmax_scale)
+    sink = None if learnable_sink is None else _as_f64(learnable_sink).reshape(kv_heads, group)
+    q = q.reshape(batch, seqlen_q, kv_heads, group, head_dim)
+    if pack_gqa:
+        # (B, Hkv, Sq, group, D) -> rows r = query * group + g: FA3's ((qhead_per_khead, seqlen_q)).
+        q_rows = q.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, seqlen_q * group, head_dim)
+        head_in_group, _ = pack_gqa_rows(seqlen_q, group)
+        row_group = group
+        k = k.transpose(0, 2, 1, 3)
+        v = v.transpose(0, 2, 1, 3)
+        if sink is not None:
+            sink = sink[:, head_in_group][None]  # (1, Hkv, Sq * group): each row's head's sink
+    else:
+        q_rows = q.transpose(0, 2, 3, 1, 4)  # (B, Hkv, group, Sq, D)
+        row_group = 1
+        k = k.transpose(0, 2, 1, 3)[:, :, None]
+        v = v.transpose(0, 2, 1, 3)[:, :, None]
+        if sink is not None:
+            sink = np.broadcast_to(sink[None, :, :, None], (1, kv_heads, group, seqlen_q))
+    return q_rows, row_group, k, v, seqlen_q, scale, left, right, softcap, sink
+
+
+def _decode_outputs(out, lse, batch, seqlen_q, heads, pack_gqa):
+    """(B, Sq, H, Dv) and (B, H, Sq) from `_walk_rows`' packed or unpacked rows."""
+    head_dim_v = out.shape[-1]
+    if pack_gqa:  # (B, Hkv, Sq * group, ...) -> (B, Hkv, Sq, group, ...)
+        kv_heads = out.shape[1]
+        out = out.reshape(batch, kv_heads, seqlen_q, heads // kv_heads, head_dim_v).transpose(0, 2, 1, 3, 4)
+        lse = lse.reshape(batch, kv_heads, seqlen_q, heads // kv_heads).transpose(0, 1, 3, 2)
+    else:  # (B, Hkv, group, Sq, ...)
+        out = out.transpose(0, 3, 1, 2, 4)
+    return (
+        np.ascontiguousarray(out.reshape(batch, seqlen_q, heads, head_dim_v)),
+        np.ascontiguousarray(lse.reshape(batch, heads, seqlen_q)),
+    )
+
+
+def emulate_split_kv(
+    q,
+    k,
+    v,
+    num_splits,
+    softmax_scale=None,
+    causal=False,
+    block_m=128,
+    block_n=128,
+    *,
+    window_size=(-1, -1),
+    softcap=0.0,
+    learnable_sink=None,
+    pack_gqa=False,
+):
+    """Split-KV (flash decoding): the partial results of each split, before `combine_splits`.
+
+    q: (B, Sq, H, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv). Split s walks piece s of each Q tile's
+    K/V tile range (`split_block_range`). Returns out_partials (num_splits, B, Sq, H, Dv) and
+    lse_partials (num_splits, B, H, Sq), fp64: each split's softmax over its own keys (O_s = 0 and
+    LSE_s = -inf for a split without keys; the sink in split 0 only).
+    """
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    batch, seqlen_q, heads = np.shape(q)[:3]
+    args = _decode_inputs(q, k, v, softmax_scale, causal, window_size, softcap, learnable_sink, pack_gqa)
+    parts = _walk_rows(*args, block_m, block_n, [(s, num_splits) for s in range(num_splits)])
+    parts = [_decode_outputs(o, l, batch, seqlen_q, heads, pack_gqa) for o, l in parts]
+    return np.stack([o for o, _ in parts]), np.stack([l for _, l in parts])
+
+
+def combine_splits(out_partials, lse_partials):
+    """Merge split partials by their LSE (FA3's combine kernel): split axis 0.
+
+    lse = log sum_s exp(lse_s) and out = sum_s exp(lse_s - lse) out_s. Splits with lse_s = -inf weigh 0;
+    a row with every lse_s = -inf gives out = 0 and lse = -inf (no NaN). out_partials (S, B, Sq, H, Dv)
+    and lse_partials (S, B, H, Sq) give out (B, Sq, H, Dv) and lse (B, H, Sq), fp64.
+    """
+    out_partials, lse_partials = _as_f64(out_partials), _as_f64(lse_partials)
+    lse_max = lse_partials.max(axis=0)
+    shift = np.where(np.isneginf(lse_max), 0.0, lse_max)  # all -inf: exp(-inf - 0) = 0, not nan
+    weights = np.exp(lse_partials - shift)  # (S, B, H, Sq)
+    total = weights.sum(axis=0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, shift + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+    scale = weights / np.where(total > 0, total, 1.0)  # exp(lse_s - lse)
+    out = np.einsum("sbhq,sbqhd->bqhd", scale, out_partials)
+    return out, lse
+
+
+def emulate_pack_gqa(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    block_m=128,
+    block_n=128,
+    *,
+    window_size=(-1, -1),
+    softcap=0.0,
+    learnable_sink=None,
+    num_splits=1,
+):
+    """Algorithm 2 with PackGQA: per (batch, kv head), one walk over seqlen_q * group rows (`pack_gqa_rows`).
+
+    Same inputs and outputs as `emulate`; with num_splits > 1 it is split-KV then `combine_splits`.
+    """
+    out_partials, lse_partials = emulate_split_kv(
+        q,
+        k,
+        v,
+        num_splits,
+        softmax_scale,
+        causal,
+        block_m,
+        block_n,
+        window_size=window_size,
+        softcap=softcap,
+        learnable_sink=learnable_sink,
+        pack_gqa=True,
+    )
+    return combine_splits(out_partials, lse_partials)
