@@ -254,7 +254,7 @@ def test_fp32_accumulator():
     # dq_accum_dtype=float32 is the kernel's accumulator: dQ within fp32 round-off of the fp64 one, not equal.
     inputs, sink, expected = _autograd(*CASES["causal-softcap-sink"])
     args = (*inputs, SCALE, True, NO_WINDOW, 0.8, sink, 64, 64)
-    dq32 = emulate_backward(*args, dq_accum_dtype=np.float32)[0]
+    dq32 = emulate_backward(*args, dq_accum_dtype="float32")[0]
     dq64 = emulate_backward(*args)[0]
     assert dq32.dtype == np.float64 and not np.array_equal(dq32, dq64)
     np.testing.assert_allclose(dq32, expected[0], rtol=1e-5, atol=1e-5)

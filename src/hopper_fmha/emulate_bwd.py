@@ -145,6 +145,7 @@ def emulate_backward(
     head_dim_v = v.shape[-1]
     group = heads // kv_heads
     scale = default_softmax_scale(head_dim) if softmax_scale is None else float(softmax_scale)
+    dq_accum_dtype = np.dtype(dq_accum_dtype)  # np.float32, "float32", ...
 
     # 1. Preprocess: D, dsink, the LSE with +inf for rows without keys and for padding, dQaccum = 0.
     d_rows, dsink = preprocess(out, dout, lse, learnable_sink)
@@ -228,7 +229,7 @@ def emulate_backward(
             raise RuntimeError(f"the deterministic schedule deadlocked: {sorted(active)} wait")
 
     # 3. Postprocess: dQ = scale * dQaccum, the padded rows dropped.
-    dq = (dq_accum[..., :seqlen_q, :] * dq_accum_dtype(scale)).astype(np.float64)
+    dq = (dq_accum[..., :seqlen_q, :] * dq_accum_dtype.type(scale)).astype(np.float64)
     dq = np.ascontiguousarray(dq.reshape(batch, heads, seqlen_q, head_dim).transpose(0, 2, 1, 3))
     dk = np.ascontiguousarray(dk.transpose(0, 2, 1, 3))
     dv = np.ascontiguousarray(dv.transpose(0, 2, 1, 3))
