@@ -85,6 +85,10 @@ class KernelConfig:
     mma_rowsum: bool = False
     causal_trim: bool = False
     release_q_at_qk: bool = False
+    # Score features (WS_SWITCHES): off unless a launch asks for them (`kernels.feature_key`).
+    window: str = ""
+    softcap: bool = False
+    sink: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -277,6 +281,11 @@ WS_SWITCHES = (
     "mma_rowsum",
     "causal_trim",
     "release_q_at_qk",
+    # Score features (off by default; the table never sets them: `kernels.feature_key` does, per
+    # launch): a sliding window's limited sides ("", "left", "right", "both"), softcap, a sink.
+    "window",
+    "softcap",
+    "sink",
 )
 WS_DERIVED_SWITCHES = ("split_o",)
 
@@ -300,6 +309,10 @@ class WsChoice:
     # Q's buffer is released as soon as a tile's last GEMM-I completes (in the block step that
     # runs it), not after the tile's last GEMM-II, so the next tile's Q loads earlier (see WsFwdSm90).
     release_q_at_qk: bool = False
+    # Score features (WS_SWITCHES): never set by the table (`kernels.feature_key` sets them).
+    window: str = ""
+    softcap: bool = False
+    sink: bool = False
 
 
 # The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and

@@ -40,7 +40,33 @@ PERSISTENT_CTAS: int | None = None
 LPT_L2_BYTES = 50 * 1024 * 1024
 
 
-def forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg, *, exact_lse: bool = True) -> None:
+def forward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    softmax_scale: float,
+    causal: bool,
+    cfg,
+    *,
+    exact_lse: bool = True,
+    window=None,
+    softcap: float = 0.0,
+    learnable_sink=None,
+) -> None:
+    """Score features (ws variant only; compiled, not yet wired into `flash_attn_func`):
+    window=(left, right) (-1: no limit on that side; with causal, right is 0 and left kept),
+    softcap > 0 (s = softcap * tanh(softmax_scale * q.k / softcap)), learnable_sink: (H,) float32
+    logits. Their defaults launch the kernels of before (`score_features`)."""
+    features = score_features(causal, window, softcap, learnable_sink)
+    if features is not None:
+        if cfg.variant != "ws":
+            raise NotImplementedError("window, softcap and learnable_sink need the ws variant")
+        cfg = launch_config(cfg, causal, q.shape[1], exact_lse=exact_lse)
+        fn = get_kernel(feature_key(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg), features))
+        fn(*launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=True, features=features))
+        return
     fn, args = prepared_launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
     if cfg.variant == "paper" and (q.shape[0] > GRID_YZ_MAX or q.shape[2] > GRID_YZ_MAX):
         for part in grid_parts(q, k, v, out, lse):
@@ -98,12 +124,57 @@ def launch(fn, q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None,
     fn(*launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=ws, mode=mode, max_ctas=max_ctas))
 
 
+def score_features(causal: bool, window=None, softcap: float = 0.0, learnable_sink=None):
+    """(window_left, window_right, softcap, learnable_sink) for the ws kernel's score features,
+    each None where off, or None when all are off (the kernels of before).
+
+    window=(left, right), -1 a side without limit; causal is the right limit 0 (the mask's
+    `causal`), so with causal only a left limit remains a window side.
+    """
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    if causal:
+        right = -1
+    features = (
+        left if left >= 0 else None,
+        right if right >= 0 else None,
+        float(softcap) if softcap else None,
+        learnable_sink,
+    )
+    return None if all(f is None for f in features) else features
+
+
+# Tiles the score features change (head_dim, tile_m, tile_n) -> tile_n, where a left window
+# (its two-sided mask) or softcap (its tanh) spill at the table's tile: d = 64 at 192 x 128, with
+# 160 registers per consumer thread, spills 16-80 bytes; 192 x 96 (and 128 x 128) do not
+# (tests/test_compile_ws_features.py). A right limit alone and the sink fit at 192 x 128.
+FEATURE_TILE_N = {(64, 192, 128): 96}
+
+
+def feature_key(key: KernelKey, features) -> KernelKey:
+    """`key` with the score features of `score_features`: a window takes unpaired CTAs (paired
+    tiles visit the same key blocks) and, with a left limit, no causal_trim; a left limit or
+    softcap take the narrower tile of `FEATURE_TILE_N` where the table's would spill."""
+    left, right, softcap, sink = features
+    window = {(True, True): "both", (True, False): "left", (False, True): "right"}.get(
+        (left is not None, right is not None), ""
+    )
+    changes = {"window": window, "softcap": softcap is not None, "sink": sink is not None}
+    if window:
+        changes["cluster_m"] = 1
+    if left is not None:
+        changes["causal_trim"] = False
+    if left is not None or softcap is not None:
+        changes["tile_n"] = FEATURE_TILE_N.get((key.head_dim, key.tile_m, key.tile_n), key.tile_n)
+    return key._replace(**changes)
+
+
 def launch_arguments(
-    q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None
+    q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None, features=None
 ) -> tuple:
     """A compiled kernel's arguments; for ws, with the schedule's (see `schedule`).
 
-    mode and max_ctas override SCHEDULE and the CTA count (measurement and tests).
+    mode and max_ctas override SCHEDULE and the CTA count (measurement and tests). features:
+    `score_features`' tuple, for a kernel compiled with them (`feature_key`); None: none.
     """
     group = q.shape[2] // k.shape[2]
     if not ws:
@@ -113,7 +184,10 @@ def launch_arguments(
         ctas = max_ctas
     # Causal ws kernels always take tiles from the counters (one CTA per tile included).
     counters, slot = _tile_counters(q.get_device(), causal)
-    return (q, k, v, out, lse, softmax_scale, group, ctas, lpt_group, counters, slot)
+    args = (q, k, v, out, lse, softmax_scale, group, ctas, lpt_group, counters, slot)
+    if features is not None:
+        args += tuple(features)
+    return args
 
 
 def schedule(q, k, causal: bool, mode: str | None = None) -> tuple[int, int]:

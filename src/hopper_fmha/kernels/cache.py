@@ -42,6 +42,18 @@ class KernelKey(NamedTuple):
     mma_rowsum: bool = False
     causal_trim: bool = False
     release_q_at_qk: bool = False
+    # Score features of the "ws" variant (switches too), off by default (the kernels and slugs of
+    # before them).
+    # window: which sides of a sliding window have a limit ("", "left", "right", "both"; causal is
+    # the right limit 0, so causal keys take "" or "left"); the sizes are launch arguments.
+    window: str = ""
+    softcap: bool = False  # s = cap * tanh(softmax_scale * q.k / cap), the cap a launch argument
+    sink: bool = False  # a learnable per-head sink logit, an (h,) float32 launch argument
+
+    @property
+    def features(self) -> bool:
+        """Whether the key has a score feature: its kernel takes the features' launch arguments."""
+        return bool(self.window) or self.softcap or self.sink
 
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
@@ -61,6 +73,9 @@ class KernelKey(NamedTuple):
             slug += "_msum" if self.mma_rowsum else ""
             slug += "_trim" if self.causal and self.causal_trim else ""
             slug += "_relq" if self.release_q_at_qk else ""
+            slug += f"_win{self.window}" if self.window else ""
+            slug += "_softcap" if self.softcap else ""
+            slug += "_sink" if self.sink else ""
         return slug
 
 
@@ -129,7 +144,11 @@ def _kernel_object(key: KernelKey):
 
 def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
     """Compile-time stand-ins for (q, k, v, out, lse, scale, qhead_per_kvhead, [ws: max_ctas,
-    lpt_group, tile_counters, counter_slot,] stream).
+    lpt_group, tile_counters, counter_slot,] stream[, window_left, window_right, softcap,
+    learnable_sink]).
+
+    The last four only for keys with a score feature (`KernelKey.features`), each None where the
+    key does not use it (`kernels.launch_arguments` passes the same).
 
     Batch, sequence lengths and head counts are symbolic, so one compiled kernel serves them all;
     strides are symbolic 64-bit values divisible by 8 elements (16 bytes, as TMA requires).
@@ -161,7 +180,18 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
             cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4
         )
         scalars += (cutlass.Int32(0), cutlass.Int32(0), counters, cutlass.Int32(0))
-    return (q, k, v, o, lse, *scalars, stream)
+    features = ()
+    if key.variant == "ws" and key.features:
+        sink = None
+        if key.sink:
+            sink = cute.runtime.make_fake_tensor(cutlass.Float32, (h,), stride=(1,), assumed_align=4)
+        features = (
+            cutlass.Int32(0) if key.window in ("left", "both") else None,
+            cutlass.Int32(0) if key.window in ("right", "both") else None,
+            cutlass.Float32(1.0) if key.softcap else None,
+            sink,
+        )
+    return (q, k, v, o, lse, *scalars, stream, *features)
 
 
 def compile_kernel(key: KernelKey, *, tvm_ffi: bool = True, options: str = ""):

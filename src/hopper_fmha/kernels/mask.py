@@ -1,9 +1,16 @@
 """Which keys each query row sees: the key blocks a tile visits, which of them need an element
 mask, and that mask.
 
-Contract (`Mask`, built from tile_m, tile_n and the mask's kind):
+Contract (`Mask`, built from tile_m, tile_n and the mask's kind; a window's sizes are bound at
+run time with `with_window`):
     block_range(m_block, seqlen)  -> (n_max, n_unmasked): query tile m_block visits key blocks
-                                     [0, n_max); blocks [n_unmasked, n_max) need `apply`.
+                                     [0, n_max); blocks [n_unmasked, n_max) need `apply`
+                                     (no left window).
+    block_range_local(m_block, seqlen)
+                                  -> (n_min, n_max, n_left_masked, n_unmasked): the tile visits
+                                     [n_min, n_max); [n_min, n_left_masked) and [n_unmasked, n_max)
+                                     need `apply`, [n_left_masked, n_unmasked) do not.
+                                     n_max <= n_min: no row of the tile sees a key.
     apply(acc_S, tScS_mn, m_block, n_block, seqlen)
                                   -> S of block n_block set to -inf where a row does not see a key.
     causal_keys(row_end, n_block, seqlen)
@@ -11,16 +18,19 @@ Contract (`Mask`, built from tile_m, tile_n and the mask's kind):
                                      row before row_end sees (causal_trim skips MMAs past it).
 The kernels visit blocks from the last down, so the masked ones come first.
 
-Today: the sequence tail (keys past seqlen_k) and causal, bottom-right aligned (row i sees key
-j <= i + seqlen_k - seqlen_q, as FlashAttention does when seqlen_q != seqlen_k).
-To come: local (sliding window) attention, one field of the compile key: a window adds a first
-block n_min > 0 and a run of masked blocks at the left end of the range ([n_min, n_unmasked_min)),
-and a left limit per row in `apply`.
+The sequence tail (keys past seqlen_k), causal, bottom-right aligned (row i sees key
+j <= i + seqlen_k - seqlen_q, as FlashAttention does when seqlen_q != seqlen_k), and local
+(sliding window) attention, FlashAttention's rule: with window (left, right), row i sees key j
+iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right. One field of the
+compile key, `window` ("", "left", "right", "both": which sides have a limit); the sizes are
+runtime Int32 values. Causal is the right limit 0 (a window's right side and causal exclude each
+other in the key). A left limit adds a first block n_min > 0 and a run of masked blocks at the
+left end of the range ([n_min, n_left_masked)).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cutlass
 import cutlass.cute as cute
@@ -37,6 +47,16 @@ class Mask:
     tile_m: cutlass.Constexpr[int]
     tile_n: cutlass.Constexpr[int]
     causal: cutlass.Constexpr[bool]
+    # Sliding window: whether rows have a left / right limit (not causal's, which is right = 0),
+    # and the sizes (runtime Int32, bound in the kernel by `with_window`).
+    window_left: cutlass.Constexpr[bool] = False
+    window_right: cutlass.Constexpr[bool] = False
+    left: Int32 = None
+    right: Int32 = None
+
+    def with_window(self, left: Int32, right: Int32) -> Mask:
+        """This mask with the window's runtime sizes (None for a side without limit)."""
+        return replace(self, left=left, right=right)
 
     @cute.jit
     def block_range(self, m_block: Int32, seqlen: SeqlenInfo):
@@ -48,13 +68,37 @@ class Mask:
         seqlen_q, seqlen_k = seqlen.seqlen_q, seqlen.seqlen_k
         n_max = (seqlen_k + self.tile_n - 1) // self.tile_n
         n_unmasked = seqlen_k // self.tile_n
-        if const_expr(self.causal):
+        if const_expr(self.causal or self.window_right):
             first_row_limit = m_block * self.tile_m + seqlen_k - seqlen_q + 1  # keys < this: all rows see
+            if const_expr(self.window_right):
+                first_row_limit = first_row_limit + self.right
             last_row_limit = first_row_limit + self.tile_m - 1
             n_max = cutlass.min(n_max, (cutlass.max(last_row_limit, 0) + self.tile_n - 1) // self.tile_n)
             n_unmasked = cutlass.min(n_unmasked, cutlass.max(first_row_limit, 0) // self.tile_n)
         n_unmasked = cutlass.min(n_unmasked, n_max)
         return n_max, n_unmasked
+
+    @cute.jit
+    def block_range_local(self, m_block: Int32, seqlen: SeqlenInfo):
+        """(n_min, n_max, n_left_masked, n_unmasked): `block_range` with a left limit.
+
+        The tile visits [n_min, n_max); blocks [n_min, n_left_masked) hold the left edge of some
+        row's window and [n_unmasked, n_max) the right edge or the tail: both need `apply`.
+        n_min <= n_left_masked <= n_unmasked <= n_max when n_max > n_min; n_max <= n_min: no
+        row of the tile sees a key.
+        """
+        n_max, n_unmasked = self.block_range(m_block, seqlen)
+        n_min = 0
+        n_left_masked = 0
+        if const_expr(self.window_left):
+            # Row i sees keys j >= i + seqlen_k - seqlen_q - left: the tile's first row the fewest.
+            first_row_min = m_block * self.tile_m + seqlen.seqlen_k - seqlen.seqlen_q - self.left
+            last_row_min = first_row_min + self.tile_m - 1  # keys >= this: every row sees
+            n_min = cutlass.max(first_row_min, 0) // self.tile_n
+            n_left_masked = (cutlass.max(last_row_min, 0) + self.tile_n - 1) // self.tile_n
+            n_unmasked = cutlass.max(n_unmasked, n_min)
+            n_left_masked = cutlass.min(cutlass.max(n_left_masked, n_min), n_unmasked)
+        return n_min, n_max, n_left_masked, n_unmasked
 
     @cute.jit
     def apply(
@@ -65,7 +109,8 @@ class Mask:
         n_block: Int32,
         seqlen: SeqlenInfo,
     ):
-        """-inf outside the sequence (key tail) and above the bottom-right causal diagonal.
+        """-inf outside the sequence (key tail), above the bottom-right causal diagonal or past
+        the window's right limit, and before its left limit.
 
         tScS_mn: this thread's (row, column) coordinates in the tile, in acc_S's row/column view.
         """
@@ -77,9 +122,22 @@ class Mask:
             if const_expr(self.causal):
                 row = m_block * self.tile_m + tScS_mn[r, 0][0]
                 col_limit = cutlass.min(col_limit, row + seqlen_k - seqlen_q + 1 - n_block * self.tile_n)
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                if tScS_mn[0, c][1] >= col_limit:
-                    acc_S_mn[r, c] = -Float32.inf
+            if const_expr(self.window_right):
+                row = m_block * self.tile_m + tScS_mn[r, 0][0]
+                col_limit = cutlass.min(
+                    col_limit, row + seqlen_k - seqlen_q + 1 + self.right - n_block * self.tile_n
+                )
+            if const_expr(self.window_left):
+                row = m_block * self.tile_m + tScS_mn[r, 0][0]
+                col_start = row + seqlen_k - seqlen_q - self.left - n_block * self.tile_n
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    col = tScS_mn[0, c][1]
+                    if col >= col_limit or col < col_start:
+                        acc_S_mn[r, c] = -Float32.inf
+            else:
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    if tScS_mn[0, c][1] >= col_limit:
+                        acc_S_mn[r, c] = -Float32.inf
 
     @cute.jit
     def causal_keys(self, row_end: Int32, n_block: Int32, seqlen: SeqlenInfo) -> Int32:

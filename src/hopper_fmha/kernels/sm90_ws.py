@@ -65,6 +65,14 @@ Shared memory: Q (tile_m x d), K and V (num_stages x tile_n x d each), 128B-swiz
 own buffer where it fits (d <= 128), else reuses Q's. Named barriers: 0 = __syncthreads
 (setup), 1 = epilogue, 2.. = pingpong ring, 5/6 = tile index written/read.
 
+Score features, one compile-key field each (default off: the code above, unchanged):
+`window` ("left", "right", "both": a sliding window's sides with a limit; sizes are runtime
+Int32 arguments; `Mask`), `softcap` (runtime cap; `Softmax.apply_softcap`, before the mask) and
+`sink` (a per-head fp32 logit tensor; `Softmax.finalize`). A left limit makes tiles visit key
+blocks [n_min, n_max) instead of [0, n_max): the producer loads and the consumers visit the
+same blocks (last down to n_min), the blocks at the window's left edge masked last. Windows
+need cluster_m = 1 (paired tiles visit different blocks) and, with a left limit, no causal_trim.
+
 Constraints: head_dim in {64, 128, 256}; fp16/bf16 in, fp32 accumulate; tile_m in {128, 192};
 tile_n a multiple of 16 (the P·V K-blocks), at most 256 (WGMMA N); bottom-right causal.
 `hopper_fmha.config` owns the tile table and the checks that a tile fits.
@@ -110,6 +118,14 @@ BARRIER_O_SLOT = 7  # + consumer warpgroup index: that warpgroup's O buffer is w
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 
 
+def _minus(count, n_min):
+    """count - n_min, or count itself where n_min is the constant 0 (no left window: the same code
+    as before windows)."""
+    if isinstance(n_min, int) and n_min == 0:
+        return count
+    return count - n_min
+
+
 class WsFwdSm90:
     """Compile-time configuration of the warp-specialized kernel; `__call__` is the host launcher."""
 
@@ -131,6 +147,9 @@ class WsFwdSm90:
         mma_rowsum: bool = False,
         causal_trim: bool = False,
         release_q_at_qk: bool = False,
+        window: str = "",
+        softcap: bool = False,
+        sink: bool = False,
     ):
         assert head_dim in (64, 128, 256)
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
@@ -205,8 +224,18 @@ class WsFwdSm90:
             "mma_rowsum: the block of ones does not fit in shared memory beside Q, K and V"
         )
 
+        # Score features (module docstring): a window's sides, softcap, a learnable sink.
+        assert window in ("", "left", "right", "both"), f"window {window!r}"
+        self.window_left = window in ("left", "both")
+        self.window_right = window in ("right", "both")
+        assert not (causal and self.window_right), "causal is the right limit 0: no window right side"
+        assert not window or cluster_m == 1, "a window needs cluster_m = 1 (pairs visit the same blocks)"
+        assert not (self.trim and self.window_left), "causal_trim with a left window is not supported"
+        self.softcap = softcap
+        self.sink = sink
+
         # The parts (see the module docstring).
-        self.mask = Mask(tile_m, tile_n, causal)
+        self.mask = Mask(tile_m, tile_n, causal, self.window_left, self.window_right)
         self.loader = TmaLoader(dtype, tile_m, tile_n, head_dim, cluster_m)
         # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
         # differ in work (causal), else in a fixed serpentine order.
@@ -248,6 +277,10 @@ class WsFwdSm90:
         tile_counters: cute.Tensor,  # int32, 2 per slot, zero between launches
         counter_slot: Int32,
         stream: cuda.CUstream,
+        window_left: Int32 | None = None,
+        window_right: Int32 | None = None,
+        softcap: Float32 | None = None,
+        mSink: cute.Tensor | None = None,
     ):
         """Launch over every (m_block, head, batch) tile; `max_ctas` > 0 makes it persistent.
 
@@ -255,6 +288,9 @@ class WsFwdSm90:
         tiles: causal ones through the counters of `counter_slot` (which the last CTA to finish
         sets back to zero), others in serpentine order. lpt_group: > 0 orders tiles longest first
         (causal) within groups of that many (head, batch) pairs, whose K and V fit in L2 together.
+        Score features, given only to kernels compiled with them (else None): window_left and
+        window_right (sizes >= 0 of the sides `window` limits), softcap (the cap, > 0) and mSink
+        ((h,) float32 logits).
         """
         # Sequence first, as the TMA tiles and WGMMA expect: (s, d, h, b) and LSE (s, h, b).
         mQ, mK, mV, mO = [
@@ -295,6 +331,19 @@ class WsFwdSm90:
             f"shared storage {SharedStorage.size_in_bytes()} bytes, config.ws_smem_bytes {self.smem_bytes}"
         )
 
+        scale_log2 = softmax_scale * LOG2_E
+        softcap_scale = None
+        if const_expr(self.softcap):
+            # s = cap * tanh(S * softmax_scale / cap): the exponent's scale is cap * log2 e.
+            scale_log2 = softcap * LOG2_E
+            softcap_scale = softmax_scale / softcap
+        if const_expr(not self.window_left):
+            window_left = None
+        if const_expr(not self.window_right):
+            window_right = None
+        if const_expr(not self.sink):
+            mSink = None
+
         # Tiles (cluster_m = 2: pairs of query tiles), one per cluster at a time.
         grid = self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3], max_ctas)
         self.kernel(
@@ -307,7 +356,7 @@ class WsFwdSm90:
             tma_atom_O,
             tma_O,
             mLSE,
-            softmax_scale * LOG2_E,
+            scale_log2,
             qhead_per_kvhead,
             lpt_group,
             tile_counters,
@@ -322,6 +371,10 @@ class WsFwdSm90:
             tiled_mma_qk_half,
             sOnes_layout,
             SharedStorage,
+            window_left,
+            window_right,
+            softcap_scale,
+            mSink,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -358,6 +411,10 @@ class WsFwdSm90:
         tiled_mma_qk_half: cute.TiledMma,
         sOnes_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
+        window_left: Int32 | None,
+        window_right: Int32 | None,
+        softcap_scale: Float32 | None,
+        mSink: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -434,12 +491,15 @@ class WsFwdSm90:
         s_tile = storage.tile_index.get_tensor(cute.make_layout(1))
         counters = tile_counters.iterator + 2 * counter_slot
         sched = self.scheduler.create(seqlens[0], num_heads, num_batch, lpt_group, s_tile, counters)
+        mask = self.mask
+        if const_expr(self.window_left or self.window_right):
+            mask = self.mask.with_window(window_left, window_right)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.producer(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_Q, mbar_Q_empty,
-                    pipeline_k, pipeline_v, qhead_per_kvhead, seqlens, sched,
+                    pipeline_k, pipeline_v, qhead_per_kvhead, seqlens, sched, mask,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -447,6 +507,7 @@ class WsFwdSm90:
             self.consumer(
                 tiled_mma_qk, tiled_mma_pv, tiled_mma_sum, tiled_mma_qk_half, sQ, sK, sV, sO, sOnes, mbar_Q,
                 mbar_Q_empty, pipeline_k, pipeline_v, tma_atom_O, mO, mLSE, scale_log2, tidx, seqlens, sched,
+                mask, softcap_scale, mSink,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer
@@ -469,13 +530,15 @@ class WsFwdSm90:
         qhead_per_kvhead: Int32,
         seqlens: tuple,
         sched: TileScheduler,
+        mask: Mask,
     ):
         """One warp: every TMA load, tile after tile, in the order the consumers use them.
 
         The K/V pipelines run on across tiles, so the next tile's first blocks load while the
         consumers finish this one; Q waits until the consumers release Q's buffer. Each tile is
         announced to the consumers (`TileScheduler.announce`), and at the end an index past the
-        last tile, which tells them to stop. seqlens: the tensors' (seqlen_q, seqlen_k).
+        last tile, which tells them to stop. seqlens: the tensors' (seqlen_q, seqlen_k). mask:
+        `self.mask` with the window's sizes: the blocks [n_min, n_max) it gives, as the consumers.
         """
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -492,26 +555,26 @@ class WsFwdSm90:
             m_block, head, batch = sched.tile_coords(tile)
             head_kv = head // qhead_per_kvhead
             seqlen = SeqlenInfo.create(batch, seqlen_q, seqlen_k)
-            n_max, _ = self.mask.block_range(m_block, seqlen)
+            n_min, n_max, _, _ = self.block_range(mask, m_block, seqlen)
             kv = loader.partition(m_block, head, head_kv, batch, seqlen)
-            if n_max > 0:
+            if n_max > n_min:
                 k_state = loader.load_k(kv, pipeline_k, k_state, n_max - 1)
             # Q is loaded for every tile (also one whose rows see no key) so that both sides
             # count Q's phases alike.
             cute.arch.mbarrier_wait(mbar_Q_empty, q_phase ^ 1)
             loader.load_q(kv, mbar_Q)
             q_phase = q_phase ^ 1
-            if n_max > 0:
+            if n_max > n_min:
                 if const_expr(self.intra_wg_overlap):
                     # GEMM-I of block n runs beside GEMM-II of block n + 1: K_n goes ahead of V_{n+1}.
-                    for i in cutlass.range(n_max - 1, unroll=1):
+                    for i in cutlass.range(_minus(n_max - 1, n_min), unroll=1):
                         n_block = n_max - 2 - i
                         k_state = loader.load_k(kv, pipeline_k, k_state, n_block)
                         v_state = loader.load_v(kv, pipeline_v, v_state, n_block + 1)
-                    v_state = loader.load_v(kv, pipeline_v, v_state, 0)
+                    v_state = loader.load_v(kv, pipeline_v, v_state, n_min)
                 else:
                     v_state = loader.load_v(kv, pipeline_v, v_state, n_max - 1)
-                    for i in cutlass.range(n_max - 1, unroll=1):
+                    for i in cutlass.range(_minus(n_max - 1, n_min), unroll=1):
                         n_block = n_max - 2 - i
                         k_state = loader.load_k(kv, pipeline_k, k_state, n_block)
                         v_state = loader.load_v(kv, pipeline_v, v_state, n_block)
@@ -550,6 +613,9 @@ class WsFwdSm90:
         tidx: Int32,
         seqlens: tuple,
         sched: TileScheduler,
+        mask: Mask,
+        softcap_scale: Float32,
+        mSink: cute.Tensor,
     ):
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         # smem operand descriptors are per warpgroup; accumulators per thread.
@@ -591,7 +657,7 @@ class WsFwdSm90:
             acc_shape_S_half = tiled_mma_qk_half.get_slice(tidx).partition_shape_C(
                 (self.tile_m, self.tile_n // 2)
             )
-        softmax = Softmax.create(scale_log2, rows_per_thread, self.mma_rowsum)
+        softmax = Softmax.create(scale_log2, rows_per_thread, self.mma_rowsum, softcap_scale)
         # With rescale_o_early: the factor of the last softmax, applied before the next GEMM-II.
         o_scale = cute.make_rmem_tensor((rows_per_thread,), Float32)
         cS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -619,7 +685,7 @@ class WsFwdSm90:
                 cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
             m_block, head, batch = sched.tile_coords(tile)
             seqlen = SeqlenInfo.create(batch, seqlen_q, seqlen_k)
-            n_max, n_unmasked = self.mask.block_range(m_block, seqlen)
+            n_min, n_max, n_left_masked, n_unmasked = self.block_range(mask, m_block, seqlen)
             acc_O.fill(0.0)
             if const_expr(self.mma_rowsum):
                 acc_sum.fill(0.0)
@@ -632,13 +698,18 @@ class WsFwdSm90:
                 acc_shape_S_half=acc_shape_S_half, acc_O=acc_O, tOrP_acc=tOrP_acc, tOrP=tOrP, softmax=softmax,
                 accs=accs, o_scale=o_scale, tScS_mn=tScS_mn, pipeline_k=pipeline_k,
                 pipeline_v=pipeline_v, m_block=m_block, seqlen=seqlen, wg=wg,
-                mbar_Q_empty=mbar_Q_empty,
+                mbar_Q_empty=mbar_Q_empty, mask=mask, n_min=n_min,
             )  # fmt: skip
             cute.arch.mbarrier_wait(mbar_Q, q_phase)
             q_phase = q_phase ^ 1
-            if n_max > 0:
+            if n_max > n_min:
                 n_first = n_max - 1
                 n_masked_end = cutlass.min(n_unmasked, n_first)  # blocks [n_masked_end, n_first) need a mask
+                # Unmasked blocks [n_left_end, n_masked_end), then (left window) the masked
+                # blocks [n_min, n_left_end) at the window's left edge.
+                n_left_end = 0
+                if const_expr(self.window_left):
+                    n_left_end = cutlass.min(n_left_masked, n_masked_end)
                 if const_expr(self.intra_wg_overlap):
                     k_state = self.first_block(n_first, k_state, ctx)
                     for i in cutlass.range(n_first - n_masked_end, unroll=1):
@@ -652,10 +723,15 @@ class WsFwdSm90:
                                 n_masked_end - 1, False, k_state, v_state, ctx, pv_trimmed=True
                             )
                         n_plain = n_masked_end - 1
-                    for i in cutlass.range(n_plain, unroll=1):
+                    for i in cutlass.range(_minus(n_plain, n_left_end), unroll=1):
                         k_state, v_state = self.overlapped_block(
                             n_plain - 1 - i, False, k_state, v_state, ctx
                         )
+                    if const_expr(self.window_left):
+                        for i in cutlass.range(n_left_end - n_min, unroll=1):
+                            k_state, v_state = self.overlapped_block(
+                                n_left_end - 1 - i, True, k_state, v_state, ctx
+                            )
                     v_state = self.last_pv(v_state, ctx)
                 else:
                     k_state, v_state = self.plain_block(n_first, True, True, k_state, v_state, ctx)
@@ -663,26 +739,45 @@ class WsFwdSm90:
                         k_state, v_state = self.plain_block(
                             n_first - 1 - i, True, False, k_state, v_state, ctx
                         )
-                    for i in cutlass.range(n_masked_end, unroll=1):
+                    for i in cutlass.range(_minus(n_masked_end, n_left_end), unroll=1):
                         k_state, v_state = self.plain_block(
                             n_masked_end - 1 - i, False, False, k_state, v_state, ctx
                         )
+                    if const_expr(self.window_left):
+                        for i in cutlass.range(n_left_end - n_min, unroll=1):
+                            k_state, v_state = self.plain_block(
+                                n_left_end - 1 - i, True, False, k_state, v_state, ctx
+                            )
                     self.pingpong_pass(wg)
             if const_expr(self.early_q_release):
                 # Every GEMM-I of this warp has completed: Q's buffer may take the next tile
                 # (release_q_at_qk: block 0's step has released it, unless the tile had no block).
                 if const_expr(self.release_q_at_qk):
-                    if n_max <= 0:
+                    if n_max <= n_min:
                         self.release_q(mbar_Q_empty)
                 else:
                     self.release_q(mbar_Q_empty)
-            lse = softmax.finalize(acc_O, acc_sum)
+            sink_log2 = None
+            if const_expr(self.sink):
+                sink_log2 = Float32(mSink[head]) * LOG2_E
+            lse = softmax.finalize(acc_O, acc_sum, sink_log2)
             self.epilogue.store(
                 acc_O, lse, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
                 thr_mma_pv, tidx, m_block, head, batch, seqlen,
             )  # fmt: skip
             tile = sched.next_announced()
         self.epilogue.drain(tidx)
+
+    @cute.jit
+    def block_range(self, mask: Mask, m_block: Int32, seqlen: SeqlenInfo):
+        """(n_min, n_max, n_left_masked, n_unmasked) of a tile (`Mask.block_range_local`); without
+        a left window n_min and n_left_masked are the constant 0 and the code is `Mask.block_range`'s."""
+        if const_expr(self.window_left):
+            n_min, n_max, n_left_masked, n_unmasked = mask.block_range_local(m_block, seqlen)
+        else:
+            n_max, n_unmasked = mask.block_range(m_block, seqlen)
+            n_min, n_left_masked = 0, 0
+        return n_min, n_max, n_left_masked, n_unmasked
 
     @cute.jit
     def pingpong_wait(self, wg: Int32):
@@ -709,7 +804,8 @@ class WsFwdSm90:
         """Overlapped loop, first half: S of the last block, its mask and softmax, P (no GEMM-II yet)."""
         acc_S, k_state = self.qk_waited(k_state, True, c, n_block)
         self.release_q_after(n_block, c)
-        self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
+        c.softmax.apply_softcap(acc_S)
+        c.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
         c.softmax.online_softmax(acc_S, True)
         convert(acc_S, c.tOrP_acc)
         if const_expr(self.rescale_o_early):
@@ -775,8 +871,9 @@ class WsFwdSm90:
         self.release_q_after(n_block, c)
         if const_expr(advance):
             k_state.advance()
+        c.softmax.apply_softcap(acc_S)  # before the mask: masked entries stay -inf
         if const_expr(masked):
-            self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
+            c.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
         row_scale, rescale = c.softmax.online_softmax(acc_S, False, self.pin_pv_wait)
         if const_expr(self.pin_pv_wait == 0):
             warpgroup.wait_group(0)  # GEMM-II done: P's registers and sV_{n+1} are free
@@ -794,9 +891,10 @@ class WsFwdSm90:
     @cute.jit
     def release_q_after(self, n_block: Int32, c: SimpleNamespace):
         """release_q_at_qk: called once GEMM-I of n_block has completed; block 0's is the tile's
-        last (blocks run from the last down to 0), so Q's buffer is released there."""
+        last (blocks run from the last down to n_min, 0 without a left window), so Q's buffer is
+        released there."""
         if const_expr(self.release_q_at_qk):
-            if n_block == 0:
+            if n_block == c.n_min:
                 self.release_q(c.mbar_Q_empty)
 
     @cute.jit
@@ -835,8 +933,9 @@ class WsFwdSm90:
         self.pingpong_pass(c.wg)
         c.pipeline_k.consumer_release(k_state)
         self.release_q_after(n_block, c)
+        c.softmax.apply_softcap(acc_S)
         if const_expr(masked):
-            self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
+            c.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
         row_scale, rescale = c.softmax.online_softmax(acc_S, False)
         c.pipeline_v.consumer_release(v_state)
         self.finish_p(acc_S, row_scale, rescale, c)
@@ -1007,8 +1106,9 @@ class WsFwdSm90:
         """
         trim_block = n_block if const_expr(masked) else None
         acc_S, k_state = self.qk_waited(k_state, is_first, c, trim_block)
+        c.softmax.apply_softcap(acc_S)
         if const_expr(masked):
-            self.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
+            c.mask.apply(acc_S, c.tScS_mn, c.m_block, n_block, c.seqlen)
         row_scale, rescale = c.softmax.online_softmax(acc_S, is_first)
         convert(acc_S, c.tOrP_acc)
         if const_expr(not is_first):

@@ -15,10 +15,15 @@ score. Lazy rescaling: the max the exponentials are taken against moves only whe
 warp has grown past it by more than RESCALE_THRESHOLD (log2 units), so P stays below
 2^RESCALE_THRESHOLD and after the first blocks O's rescale is mostly a skipped branch.
 
-Today: scale only. To come, each one field of the compile key: a score modifier (softcap:
-S -> cap * tanh(S / cap) before the row max, the scale then applied inside the tanh) in
-`online_softmax`, and a sink (a per-head logit that joins every row's denominator but adds
-nothing to O) in `finalize` (and the max it is taken against).
+Score features, each one field of the compile key:
+- softcap (`softcap_scale` set): s = cap * tanh(softmax_scale * q.k / cap). `apply_softcap` turns
+  S into tanh(S * softmax_scale / cap) (tanh.approx) before the mask and the row max; the kernel
+  then sets scale_log2 = cap * log2 e, so the exponent and the LSE see s itself. Called before
+  the mask, so masked entries (-inf) stay -inf (tanh(-inf) would be -1).
+- learnable sink (`finalize`'s sink_log2: the head's sink logit * log2 e, in the units of s):
+  joins every row's denominator, taken against max(row max, sink) so that neither overflows;
+  the LSE includes it (lse = log(sum exp(s) + exp(sink))); a row with no key gets O = 0 and
+  lse = sink.
 """
 
 from __future__ import annotations
@@ -48,13 +53,25 @@ class Softmax:
     row_max: cute.Tensor
     row_sum: cute.Tensor
     mma_rowsum: cutlass.Constexpr[bool] = False
+    # softcap: softmax_scale / cap (runtime), None when off (then scale_log2 = cap * log2 e).
+    softcap_scale: Float32 = None
 
     @staticmethod
-    def create(scale_log2: Float32, rows: int, mma_rowsum: bool = False) -> Softmax:
+    def create(
+        scale_log2: Float32, rows: int, mma_rowsum: bool = False, softcap_scale: Float32 = None
+    ) -> Softmax:
         """Statistics of `rows` rows per thread (registers, set by `reset`)."""
         row_max = cute.make_rmem_tensor((rows,), Float32)
         row_sum = cute.make_rmem_tensor((rows,), Float32)
-        return Softmax(scale_log2, row_max, row_sum, mma_rowsum)
+        return Softmax(scale_log2, row_max, row_sum, mma_rowsum, softcap_scale)
+
+    @cute.jit
+    def apply_softcap(self, acc_S: cute.Tensor):
+        """softcap: S -> tanh(S * softmax_scale / cap) in place (before the mask: masked entries
+        are set to -inf after it). Nothing without softcap."""
+        if const_expr(self.softcap_scale is not None):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * self.softcap_scale, approx=True)
 
     @cute.jit
     def reset(self):
@@ -168,10 +185,12 @@ class Softmax:
                     acc_mn[r, j] = acc_mn[r, j] * row_scale[r]
 
     @cute.jit
-    def finalize(self, acc_O: cute.Tensor, acc_sum=None) -> cute.Tensor:
+    def finalize(self, acc_O: cute.Tensor, acc_sum=None, sink_log2=None) -> cute.Tensor:
         """O /= rowsum; returns LSE = (m * scale * log2 e + log2 rowsum) * ln 2 per row.
 
         acc_sum (mma_rowsum): the tensor cores' row sums, every column holding its row's sum.
+        sink_log2 (learnable sink): the head's sink logit * log2 e; it joins the row sum and the
+        LSE, both taken against max(m * scale_log2, sink_log2).
         """
         row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
         if const_expr(self.mma_rowsum):
@@ -185,12 +204,22 @@ class Softmax:
             if const_expr(not self.mma_rowsum):  # partial sums of the row's four lanes
                 total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
                 total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-            # A row that saw no key: O stays 0 and LSE is -inf.
             inv = Float32(0.0)
-            lse[r] = -Float32.inf
-            if total > 0.0:
-                inv = cute.arch.rcp_approx(total)
-                lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+            if const_expr(sink_log2 is not None):
+                # The sink joins the denominator; the reference is the larger of the row's max and
+                # the sink. A row that saw no key: max -inf, O stays 0 and LSE is the sink.
+                m_scaled = row_max[r] * scale_log2
+                m_ref = cute.arch.fmax(m_scaled, sink_log2)
+                row_factor = cute.math.exp2(m_scaled - m_ref, fastmath=True)
+                total = total * row_factor + cute.math.exp2(sink_log2 - m_ref, fastmath=True)
+                inv = row_factor * cute.arch.rcp_approx(total)
+                lse[r] = (m_ref + cute.math.log2(total, fastmath=True)) * LN_2
+            else:
+                # A row that saw no key: O stays 0 and LSE is -inf.
+                lse[r] = -Float32.inf
+                if total > 0.0:
+                    inv = cute.arch.rcp_approx(total)
+                    lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * inv
         return lse

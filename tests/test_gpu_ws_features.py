@@ -1,0 +1,147 @@
+"""GPU tier, ws variant's score features: sliding window (one- and two-sided, 0, with and without
+causal), softcap and a learnable sink, alone and together, against `reference` with the same
+features, by the rule of tests/test_gpu_kernels.py: the kernel's error at most twice that of
+PyTorch computing the same attention in the inputs' dtype, plus a floor.
+
+The features go through `kernels.forward(..., window=, softcap=, learnable_sink=)`; they are not
+yet part of `flash_attn_func`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+
+import pytest
+import torch
+
+from hopper_fmha import config
+from hopper_fmha.reference import reference, resolve_window, visible_keys
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128, 256]
+# FlashAttention's grid of tails: one key, tiny tiles, tails on both sides, many queries on few
+# keys (rows that see nothing), one row short of a tile, many tiles.
+SEQLENS = [(1, 1), (3, 3), (113, 203), (128, 217), (239, 1), (799, 3), (1023, 1024), (4224, 4224)]
+HEADS = {"mha": (6, 6), "gqa": (6, 2), "mqa": (6, 1)}
+OUT_FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+LSE_FLOOR = 1e-4
+# (name, causal, window kind, softcap, sink): window kinds are drawn per problem (`draw_window`).
+CASES = [
+    ("win_both", False, "both", 0.0, False),
+    ("win_left", False, "left", 0.0, False),
+    ("win_right", False, "right", 0.0, False),
+    ("win_zero", False, "zero", 0.0, False),
+    ("win_left_causal", True, "left", 0.0, False),
+    ("win_both_causal", True, "both", 0.0, False),
+    ("softcap", False, None, 5.0, False),
+    ("softcap_causal", True, None, 5.0, False),
+    ("sink", False, None, 0.0, True),
+    ("sink_causal", True, None, 0.0, True),
+    ("all", False, "both", 5.0, True),
+    ("all_causal", True, "left", 5.0, True),
+]
+
+
+def draw_window(kind, sq, sk, rng: random.Random):
+    """A random window of `kind` for sq queries and sk keys (sizes 0 .. sk, -1 on an open side)."""
+    if kind is None:
+        return None
+    if kind == "zero":
+        return (0, 0)
+    left = rng.randint(0, sk) if kind in ("left", "both") else -1
+    right = rng.randint(0, sk) if kind in ("right", "both") else -1
+    return (left, right)
+
+
+def torch_same_dtype(q, k, v, scale, causal, window, softcap, sink):
+    """PyTorch attention in the inputs' dtype with the same mask, softcap and sink (the sink as one
+    more score column with no value), the LSE's logsumexp in fp32."""
+    group = q.shape[2] // k.shape[2]
+    vv = v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = q.shape[1], k.shape[1]
+    left, right = resolve_window(causal, (-1, -1) if window is None else window)
+    visible = visible_keys(torch.arange(sq, device=q.device), sq, sk, left, right)
+    s = s.masked_fill(~visible, -math.inf)
+    if sink is not None:
+        column = sink.to(s.dtype).view(1, -1, 1, 1).expand(s.shape[0], -1, sq, 1)
+        s = torch.cat([s, column], dim=-1)
+    lse = torch.logsumexp(s.float(), dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sink is not None:
+        p = p[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", p, vv), lse
+
+
+def run_kernel(q, k, v, scale, causal, cfg, window, softcap, sink):
+    from hopper_fmha import kernels
+
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan, device=q.device, dtype=torch.float32)
+    kernels.forward(
+        q, k, v, out, lse, scale, causal, cfg, exact_lse=True, window=window, softcap=softcap,
+        learnable_sink=sink,
+    )  # fmt: skip
+    return out, lse
+
+
+def assert_close_to_reference(q, k, v, scale, causal, window, softcap, sink, out, lse):
+    ref_out, ref_lse = reference(
+        q, k, v, softmax_scale=scale, causal=causal, window_size=(-1, -1) if window is None else window,
+        softcap=softcap, learnable_sink=sink,
+    )  # fmt: skip
+    base_out, base_lse = torch_same_dtype(q, k, v, scale, causal, window, softcap, sink)
+    assert torch.isfinite(out).all(), "output has NaN/inf: some element was not written"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "lse is -inf exactly where a row sees no key (no sink)"
+    assert not torch.isnan(lse).any(), "lse has NaN: some element was not written"
+    err_out = (out.float() - ref_out).abs().max().item()
+    tol_out = 2 * (base_out.float() - ref_out).abs().max().item() + OUT_FLOOR[q.dtype]
+    assert err_out <= tol_out, f"out error {err_out:.3g} > {tol_out:.3g}"
+    if (~empty).any():
+        err_lse = (lse - ref_lse)[~empty].abs().max().item()
+        tol_lse = 2 * (base_lse - ref_lse)[~empty].abs().max().item() + LSE_FLOOR
+        assert err_lse <= tol_lse, f"lse error {err_lse:.3g} > {tol_lse:.3g}"
+
+
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("name,causal,window_kind,softcap,with_sink", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_ws_features(hopper_gpu, dtype, d, name, causal, window_kind, softcap, with_sink, seqlens, heads):
+    sq, sk = seqlens
+    h, hkv = HEADS[heads]
+    seed = zlib.crc32(repr((name, d, seqlens, heads, str(dtype))).encode()) % 2**31
+    rng = random.Random(seed)
+    window = draw_window(window_kind, sq, sk, rng)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(2, sq, h, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(2, sk, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(2, sk, hkv, d, device="cuda", dtype=dtype, generator=g)
+    sink = torch.randn(h, device="cuda", dtype=torch.float32, generator=g) * 2 if with_sink else None
+    # softcap: a scale large enough that the cap bends the scores (tanh well away from linear).
+    scale = 1.0 if softcap else config.default_softmax_scale(d)
+    cfg = config.select_config(d, "ws")
+    out, lse = run_kernel(q, k, v, scale, causal, cfg, window, softcap, sink)
+    assert_close_to_reference(q, k, v, scale, causal, window, softcap, sink, out, lse)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_ws_sink_rows_without_keys(hopper_gpu, d):
+    """Rows that see no key: out 0 and lse = the head's sink (a window far to the left of them)."""
+    q = torch.randn(1, 300, 4, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 20, 4, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    sink = torch.tensor([0.5, -3.0, 10.0, 80.0], device="cuda")
+    # Causal, bottom-right: rows 0 .. 279 see no key.
+    out, lse = run_kernel(q, k, v, d**-0.5, True, config.select_config(d, "ws"), (4, -1), 0.0, sink)
+    assert torch.equal(out[:, :280], torch.zeros_like(out[:, :280]))
+    assert torch.allclose(lse[0, :, :280], sink[:, None].expand(4, 280))
+    assert_close_to_reference(q, k, v, d**-0.5, True, (4, -1), 0.0, sink, out, lse)
