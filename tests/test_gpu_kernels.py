@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hopper_fmha import config
-from hopper_fmha.reference import reference
+from hopper_fmha.reference import reference, resolve_window, visible_keys
 
 pytestmark = pytest.mark.gpu
 
@@ -44,12 +44,24 @@ def masked_scores(q, k, scale, causal):
     return s
 
 
-def torch_same_dtype(q, k, v, scale, causal):
-    """PyTorch attention computed in the input dtype (scores, softmax output and P·V in fp16/bf16)."""
-    vv = v.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    s = masked_scores(q, k, scale, causal)
+def torch_same_dtype(q, k, v, scale, causal, *, window=None, softcap=0.0, sink=None):
+    """PyTorch attention computed in the input dtype (scores, softmax output and P·V in fp16/bf16),
+    with the same window, softcap and sink (the sink as one more score column with no value); the
+    LSE's logsumexp in fp32."""
+    group = q.shape[2] // k.shape[2]
+    vv = v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = q.shape[1], k.shape[1]
+    left, right = resolve_window(causal, (-1, -1) if window is None else window)
+    s = s.masked_fill(~visible_keys(torch.arange(sq, device=q.device), sq, sk, left, right), -math.inf)
+    if sink is not None:
+        s = torch.cat([s, sink.to(s.dtype).view(1, -1, 1, 1).expand(s.shape[0], -1, sq, 1)], dim=-1)
     lse = torch.logsumexp(s.float(), dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sink is not None:
+        p = p[..., :-1]
     return torch.einsum("bhqk,bkhd->bqhd", p, vv), lse
 
 
@@ -64,12 +76,13 @@ def run_kernel(q, k, v, scale, causal, cfg, exact_lse=False):
     return out, lse
 
 
-def assert_close_to_reference(q, k, v, scale, causal, out, lse):
-    ref_out, ref_lse = reference(q, k, v, softmax_scale=scale, causal=causal)
-    base_out, base_lse = torch_same_dtype(q, k, v, scale, causal)
+def assert_close_to_reference(q, k, v, scale, causal, out, lse, *, window=None, softcap=0.0, sink=None):
+    features = {"window_size": (-1, -1) if window is None else window, "softcap": softcap}
+    ref_out, ref_lse = reference(q, k, v, softmax_scale=scale, causal=causal, learnable_sink=sink, **features)
+    base_out, base_lse = torch_same_dtype(q, k, v, scale, causal, window=window, softcap=softcap, sink=sink)
     assert torch.isfinite(out).all(), "output has NaN/inf: some element was not written"
     empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), "lse is -inf exactly where a row sees no key"
+    assert torch.equal(torch.isneginf(lse), empty), "lse is -inf exactly where a row sees no key (no sink)"
     assert not torch.isnan(lse).any(), "lse has NaN: some element was not written"
     err_out = (out.float() - ref_out).abs().max().item()
     tol_out = 2 * (base_out.float() - ref_out).abs().max().item() + OUT_FLOOR[q.dtype]
