@@ -128,7 +128,9 @@ def test_demo_cpu_fails_when_emulator_is_off(monkeypatch, capsys):
 def test_demo_subprocess_with_real_kernels():
     # The real kernels package: compiles whatever its compile_report() covers.
     result = run_module("demo")
-    assert result.returncode == 0, result.stdout + result.stderr
+    # The lines that say what failed first: pytest cuts a long message from its start.
+    failed = [line for line in result.stdout.splitlines() if "FAIL" in line or "err" in line]
+    assert result.returncode == 0, "\n".join(failed) + "\n" + result.stdout + result.stderr
     assert "demo passed (CPU only: no kernel was run)" in result.stdout
 
 

@@ -3,8 +3,8 @@ causal), softcap and a learnable sink, alone and together, against `reference` w
 features, by the rule of tests/test_gpu_kernels.py: the kernel's error at most twice that of
 PyTorch computing the same attention in the inputs' dtype, plus a floor.
 
-The features go through `kernels.forward(..., window=, softcap=, learnable_sink=)`; they are not
-yet part of `flash_attn_func`.
+`test_ws_features` calls `kernels.forward(..., window=, softcap=, learnable_sink=)` with the ws
+table's config; `test_flash_attn_func_score_features` goes through the public API.
 """
 
 from __future__ import annotations
@@ -102,3 +102,46 @@ def test_ws_sink_rows_without_keys(hopper_gpu, d):
     assert torch.equal(out[:, :280], torch.zeros_like(out[:, :280]))
     assert torch.allclose(lse[0, :, :280], sink[:, None].expand(4, 280))
     assert_close_to_reference(q, k, v, d**-0.5, True, out, lse, window=(4, -1), sink=sink)
+
+
+# Through the public API: flash_attn_func resolves the window (sides no row reaches past dropped,
+# a right limit 0 run as causal), takes the ws kernel (auto would pick the paper kernel for some of
+# these short problems) and returns the sink's LSE.
+API_CASES = [
+    ("window", False, (37, 5), 0.0, False),
+    ("window_right_zero", False, (64, 0), 0.0, False),
+    ("window_causal", True, (100, 7), 0.0, False),
+    ("softcap_sink", False, (-1, -1), 3.0, True),
+    ("all_causal", True, (200, -1), 5.0, True),
+]
+
+
+@pytest.mark.parametrize(
+    "seqlens", [(1, 1), (113, 203), (512, 512), (1023, 1024)], ids=lambda s: f"{s[0]}x{s[1]}"
+)
+@pytest.mark.parametrize("name,causal,window,softcap,with_sink", API_CASES, ids=[c[0] for c in API_CASES])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_flash_attn_func_score_features(
+    hopper_gpu, dtype, d, name, causal, window, softcap, with_sink, seqlens
+):
+    import hopper_fmha
+
+    sq, sk = seqlens
+    g = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr((name, d, seqlens)).encode()))
+    q = torch.randn(2, sq, 6, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(2, sk, 2, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(2, sk, 2, d, device="cuda", dtype=dtype, generator=g)
+    sink = torch.randn(6, device="cuda", generator=g).to(torch.bfloat16) if with_sink else None
+    scale = 1.0 if softcap else None
+    out, lse = hopper_fmha.flash_attn_func(
+        q, k, v, scale, causal, window, softcap, return_lse=True, learnable_sink=sink
+    )
+    scale = config.default_softmax_scale(d) if scale is None else scale
+    sink32 = None if sink is None else sink.float()
+    assert_close_to_reference(q, k, v, scale, causal, out, lse, window=window, softcap=softcap, sink=sink32)
+    # The out-only call (its kernel may take the faster row sums) meets the same rule on out.
+    out_only = hopper_fmha.flash_attn_func(q, k, v, scale, causal, window, softcap, learnable_sink=sink)
+    assert_close_to_reference(
+        q, k, v, scale, causal, out_only, lse, window=window, softcap=softcap, sink=sink32
+    )

@@ -34,19 +34,33 @@ def cpu_kernel(monkeypatch):
     """
     launches = []
 
-    def fake_launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse):
+    def fake_launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse, features=None):
         for t in (q, k, v):
             assert t.stride(-1) == 1
             assert all(s > 0 and s % 8 == 0 for s in t.stride()[:-1])
             assert t.data_ptr() % 16 == 0
         assert out.shape == q.shape and out.dtype == q.dtype
         assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-        o, l = reference(q, k, v, softmax_scale, causal)
+        extra = {}
+        if features is not None:
+            assert cfg.variant == "ws"  # the only variant with score features
+            assert not (causal and features.right >= 0)  # causal is the right limit 0
+            if features.sink is not None:
+                assert features.sink.dtype == torch.float32 and features.sink.is_contiguous()
+            extra = dict(
+                window_size=(features.left, features.right),
+                softcap=features.softcap,
+                learnable_sink=features.sink,
+            )
+        o, l = reference(q, k, v, softmax_scale, causal, **extra)
         out.copy_(o)
         lse.copy_(l)
         launches.append(
-            dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, cfg=cfg, exact_lse=exact_lse)
-        )
+            dict(
+                q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, cfg=cfg, exact_lse=exact_lse,
+                features=features,
+            )
+        )  # fmt: skip
 
     monkeypatch.setattr(interface, "_check_device", lambda q, k, v: None)
     monkeypatch.setattr(interface, "_launch", fake_launch)
@@ -410,6 +424,136 @@ def test_no_keys_give_zero_out_and_minus_inf_lse(cpu_kernel, causal):
     assert torch.equal(out, torch.zeros_like(q))
     assert torch.equal(lse, torch.full((2, 4, 5), -math.inf))
     assert cpu_kernel == []
+
+
+# ---- score features: window_size, softcap, learnable_sink ----
+
+
+@pytest.mark.parametrize("window", [(-2, -1), (3, -5)])
+def test_window_sides_at_least_minus_one(window):
+    with pytest.raises(ValueError, match=r"window_size (left|right) must be >= -1"):
+        flash_attn_func(*qkv(), window_size=window)
+
+
+@pytest.mark.parametrize("window", [5, (1, 2, 3), "ab"])
+def test_window_is_a_pair(window):
+    with pytest.raises((ValueError, TypeError), match="window_size"):
+        flash_attn_func(*qkv(), window_size=window)
+
+
+def test_window_sides_are_ints():
+    with pytest.raises(TypeError, match="window_size left must be an int"):
+        flash_attn_func(*qkv(), window_size=(1.5, 2))
+
+
+@pytest.mark.parametrize("cap", [-1.0, math.inf, math.nan])
+def test_softcap_finite_non_negative(cap):
+    with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):
+        flash_attn_func(*qkv(), softcap=cap)
+
+
+@pytest.mark.parametrize(
+    "sink,error,match",
+    [
+        ([0.1] * 4, TypeError, "learnable_sink must be None or a torch.Tensor"),
+        (torch.zeros(4, dtype=torch.int32), TypeError, "learnable_sink must be a float tensor"),
+        (torch.zeros(2), ValueError, r"learnable_sink must have shape \(heads,\) = \(4,\)"),
+        (torch.zeros(1, 4), ValueError, "learnable_sink must have shape"),
+    ],
+    ids=["list", "int32", "kv-heads", "rank-2"],
+)
+def test_sink_is_a_float_tensor_per_q_head(sink, error, match):
+    with pytest.raises(error, match=match):
+        flash_attn_func(*qkv(), learnable_sink=sink)
+
+
+def test_paper_variant_refuses_score_features():
+    for kwargs in (dict(window_size=(2, 1)), dict(softcap=5.0), dict(learnable_sink=torch.zeros(4))):
+        with pytest.raises(
+            ValueError, match="the paper variant has no sliding window, softcap or learnable_sink"
+        ):
+            flash_attn_func(*qkv(), variant="paper", **kwargs)
+
+
+def test_sink_requiring_grad_is_refused(cpu_kernel):
+    sink = torch.zeros(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no backward pass yet"):
+        flash_attn_func(*qkv(), learnable_sink=sink)
+    with torch.no_grad():
+        flash_attn_func(*qkv(), learnable_sink=sink)
+
+
+@pytest.mark.parametrize(
+    "causal,window,softcap,sink,launched",
+    [
+        # (causal, right, left, softcap, sink) the kernel is launched with; -1: no limit.
+        (False, (2, 1), 0.0, False, (False, 2, 1, 0.0, False)),
+        (False, (-1, 0), 0.0, False, (True, -1, -1, 0.0, False)),  # (-1, 0) is causal
+        (False, (3, 0), 0.0, False, (True, 3, -1, 0.0, False)),  # a right limit 0 is causal's mask
+        (True, (3, 4), 0.0, False, (True, 3, -1, 0.0, False)),  # causal sets right = 0
+        (False, (6, 4), 0.0, False, None),  # no row reaches past either side (7 keys, 5 rows)
+        (False, (6, -1), 7.5, False, (False, -1, -1, 7.5, False)),
+        (True, (-1, -1), 0.0, True, (True, -1, -1, 0.0, True)),
+        (False, [-1, -1], 30.0, True, (False, -1, -1, 30.0, True)),
+    ],
+)
+def test_score_features_reach_the_kernel(cpu_kernel, causal, window, softcap, sink, launched):
+    q, k, v = qkv()  # 5 query rows, 7 keys
+    sink_t = torch.linspace(-1.0, 2.0, 4, dtype=torch.bfloat16) if sink else None
+    out, lse = flash_attn_func(
+        q, k, v, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t, return_lse=True
+    )
+    ref_out, ref_lse = reference(
+        q, k, v, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t
+    )
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=1e-3)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
+    (launch,) = cpu_kernel
+    f = launch["features"]
+    if launched is None:
+        assert f is None and launch["causal"] is causal
+        return
+    kernel_causal, left, right, cap, has_sink = launched
+    assert launch["causal"] is kernel_causal
+    if (left, right, cap, has_sink) == (-1, -1, 0.0, False):
+        assert f is None
+    else:
+        assert (f.left, f.right, f.softcap, f.sink is not None) == (left, right, cap, has_sink)
+        assert launch["cfg"].variant == "ws"
+
+
+def test_window_zero_zero_sees_the_diagonal_only(cpu_kernel):
+    q, k, v = qkv(seqlen_q=7, seqlen_k=7)
+    out = flash_attn_func(q, k, v, window_size=(0, 0))
+    # Row i sees key i alone: out is v of that key (per GQA group).
+    expected = v.repeat_interleave(2, dim=2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-3)
+
+
+def test_no_keys_with_a_sink_give_the_sink_as_lse(cpu_kernel):
+    q, k, v = qkv(seqlen_k=0)
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out, lse = flash_attn_func(q, k, v, learnable_sink=sink, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(q))
+    assert torch.equal(lse, sink[None, :, None].expand(2, 4, 5))
+    ref_lse = reference(q, k, v, learnable_sink=sink)[1]
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_torch_compile_traces_the_op_with_score_features(cpu_kernel):
+    q, k, v = qkv()
+    sink = torch.linspace(-1.0, 1.0, 4)
+    compiled = torch.compile(
+        lambda q, k, v, s: flash_attn_func(
+            q, k, v, window_size=(3, 1), softcap=4.0, learnable_sink=s, return_lse=True
+        ),
+        backend="aot_eager",
+    )
+    out, lse = compiled(q, k, v, sink)
+    ref_out, ref_lse = reference(q, k, v, window_size=(3, 1), softcap=4.0, learnable_sink=sink)
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=1e-3)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
+    assert cpu_kernel[-1]["features"].left == 3
 
 
 def test_torch_compile_traces_the_op(cpu_kernel):

@@ -89,6 +89,9 @@ class KernelConfig:
     window: str = ""
     softcap: bool = False
     sink: bool = False
+    # Packed variable-length sequences (WS_SWITCHES): set per launch (`kernels.varlen_key`).
+    varlen: bool = False
+    seqused_k: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -286,6 +289,10 @@ WS_SWITCHES = (
     "window",
     "softcap",
     "sink",
+    # Where sequences are (`kernels/seqlen.py`): packed by cu_seqlens (varlen), and keys used per
+    # sequence (seqused_k); set per launch by `kernels.varlen_key`.
+    "varlen",
+    "seqused_k",
 )
 WS_DERIVED_SWITCHES = ("split_o",)
 
@@ -313,6 +320,8 @@ class WsChoice:
     window: str = ""
     softcap: bool = False
     sink: bool = False
+    varlen: bool = False  # never set by the table either (`kernels.varlen_key`)
+    seqused_k: bool = False
 
 
 # The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
-from hopper_fmha import config
+from hopper_fmha import config, reference, varlen_args
 
 _DTYPES = (torch.float16, torch.bfloat16)
 # TMA needs 16-byte aligned base addresses and 16-byte multiples for all strides but the last.
@@ -32,8 +33,11 @@ def flash_attn_func(
     v: torch.Tensor,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     return_lse: bool = False,
     *,
+    learnable_sink: torch.Tensor | None = None,
     variant: str | None = None,
     tile: tuple[int, int] | None = None,
 ):
@@ -46,7 +50,15 @@ def flash_attn_func(
         softmax_scale: finite float > 0; None means 1/sqrt(head_dim).
         causal: if True, query row i sees key j iff j <= i + seqlen_k - seqlen_q (the mask is
             aligned to the bottom-right corner, as in FlashAttention >= 2.1).
-        return_lse: also return the log-sum-exp of the scaled scores.
+        window_size: (left, right), a sliding window: query row i sees key j iff
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 is a side
+            without limit. causal=True is (-1, 0) and, given with a window, sets right = 0.
+        softcap: > 0 caps the scores: s = softcap * tanh(softmax_scale * q.k / softcap) (Gemma 2);
+            0 is off.
+        return_lse: also return the log-sum-exp of the scaled scores (with a sink, the sink's
+            exp joins the sum, as in FlashAttention-4).
+        learnable_sink: (heads,) float tensor on q's device, a logit per q head that joins each
+            row's softmax denominator and nothing else (gpt-oss); None is off.
         variant: kernel variant (see `hopper_fmha.config.VARIANTS`); None picks per problem
             (`hopper_fmha.config.auto_variant`; "ws" when a tile is given).
         tile: optional (tile_m, tile_n) override, for tests and benchmarks; None takes the
@@ -63,18 +75,185 @@ def flash_attn_func(
     RuntimeError when the tensors are not on one CUDA device of compute capability 9.x.
     """
     scale, cfg = _validate(q, k, v, softmax_scale, causal, variant, tile)
+    features = None
+    # The call without score features tests three arguments, nothing more (hot: host time).
+    if softcap or learnable_sink is not None or window_size != (-1, -1):
+        features, causal, feature_cfg = _score_features(
+            q.shape[1], k.shape[1], q.shape[2], q.shape[3], causal, window_size, softcap, learnable_sink,
+            variant, tile,
+        )  # fmt: skip
+        cfg = feature_cfg or cfg
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         raise RuntimeError(_NO_BACKWARD)
+    if learnable_sink is not None and _grad_needed(q, k, v, learnable_sink):
+        raise RuntimeError(_NO_BACKWARD)
     _check_device(q, k, v)
+    if features is not None and features.sink is not None and features.sink.device != q.device:
+        raise RuntimeError(f"learnable_sink must be on q's device {q.device}, got {features.sink.device}")
     if torch.compiler.is_compiling():
+        left, right, cap, sink = features if features is not None else (-1, -1, 0.0, None)
         out, lse = torch.ops.hopper_fmha.fwd(
-            q, k, v, scale, causal, cfg.variant, cfg.tile_m, cfg.tile_n, return_lse
+            q, k, v, scale, causal, cfg.variant, cfg.tile_m, cfg.tile_n, return_lse, left, right, cap, sink
         )
     else:
         # Eager: the op's own implementation, without the dispatcher's ~23 µs per call (measured on
         # the H200 host, NOTES.md "host path"); the same function the custom op runs.
-        out, lse = _fwd_impl(q, k, v, scale, causal, cfg, return_lse)
+        out, lse = _fwd_impl(q, k, v, scale, causal, cfg, return_lse, features)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    *,
+    seqused_k: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+    tile: tuple[int, int] | None = None,
+):
+    """`flash_attn_func` on packed sequences of different lengths (FlashAttention's varlen API).
+
+    Args:
+        q: (total_q, heads, head_dim); k, v: (total_k, kv_heads, head_dim), float16 or bfloat16,
+            CUDA (sm_90). Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] and likewise k, v.
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 offsets on q's device, starting at 0,
+            non-decreasing; sequences may be empty.
+        max_seqlen_q, max_seqlen_k: ints >= the longest q / k sequence. max_seqlen_q sizes the
+            grid: under CUDA graph capture, where the offsets cannot be read back and checked, a
+            smaller value leaves rows uncomputed (never out of bounds).
+        softmax_scale, causal, window_size, softcap, learnable_sink: as `flash_attn_func`, per
+            sequence (the mask aligned to each sequence's bottom-right corner).
+        seqused_k: (batch,) int32 or None: only the first seqused_k[b] keys of sequence b count.
+        tile: optional (tile_m, tile_n) override of the ws kernel's tile (tests, benchmarks).
+
+    Returns:
+        out: (total_q, heads, head_dim), q's dtype, contiguous. With return_lse, (out, lse) where
+        lse is (heads, total_q) float32. Rows that see no key: out 0, lse -inf (or the sink).
+
+    The values of cu_seqlens and seqused_k are checked with one device-to-host copy, except under
+    CUDA graph capture or torch.compile (`varlen_args.varlen_values_checkable`).
+    """
+    shape = varlen_args.check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+        check_values=varlen_args.varlen_values_checkable(),
+    )  # fmt: skip
+    if shape.head_dim_v != shape.head_dim or shape.head_dim not in config.SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim must be one of {config.SUPPORTED_HEAD_DIMS} for q, k and v alike, got "
+            f"{shape.head_dim} (q, k) and {shape.head_dim_v} (v)"
+        )
+    scale = _check_scale(softmax_scale, shape.head_dim)
+    if causal is not True and causal is not False:
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    features, causal, cfg = _score_features(
+        shape.max_seqlen_q, shape.max_seqlen_k, shape.heads, shape.head_dim, causal, window_size, softcap,
+        learnable_sink, "ws", tile,
+    )  # fmt: skip
+    if cfg is None:  # no score feature: the ws kernel's config at the longest key sequence
+        cfg = _select(shape.head_dim, causal, shape.max_seqlen_k, "ws", tile, _selector())
+    if _grad_needed(q, k, v, learnable_sink):
+        raise RuntimeError(_NO_BACKWARD)
+    _check_device(q, k, v)
+    if features is not None and features.sink is not None and features.sink.device != q.device:
+        raise RuntimeError(f"learnable_sink must be on q's device {q.device}, got {features.sink.device}")
+    args = (
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_k,
+        shape.max_seqlen_q,
+        shape.max_seqlen_k,
+        scale,
+        causal,
+    )
+    if torch.compiler.is_compiling():
+        left, right, cap, sink = features if features is not None else (-1, -1, 0.0, None)
+        out, lse = torch.ops.hopper_fmha.varlen_fwd(
+            *args, cfg.tile_m, cfg.tile_n, return_lse, left, right, cap, sink
+        )
+    else:
+        out, lse = _varlen_fwd_impl(*args, cfg, return_lse, features)
+    return (out, lse) if return_lse else out
+
+
+def _grad_needed(q, k, v, sink) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
+
+
+class ScoreFeatures(NamedTuple):
+    """The score features of a call, reduced to what the kernel must do: window sides (-1: no
+    limit, and never a right side with causal: that is the causal mask), softcap (0: off) and
+    the sink as a contiguous float32 (heads,) tensor (None: off)."""
+
+    left: int
+    right: int
+    softcap: float
+    sink: torch.Tensor | None
+
+
+def _score_features(
+    seqlen_q, seqlen_k, heads, head_dim, causal, window_size, softcap, learnable_sink, variant, tile
+):
+    """(features or None, causal, config or None: unchanged) for a call that names a window,
+    softcap or sink. seqlen_q/k: the (longest) sequences' lengths.
+
+    A window side that no row reaches past is dropped (left >= seqlen_k - 1, right >=
+    seqlen_q - 1: every key is on that side of every row), and a right limit of 0 is the causal
+    mask, so (-1, 0) runs the causal kernel and (-1, -1) the plain one. The paper variant has no
+    score features: asked for, it is an error; chosen by `auto`, the ws variant runs instead.
+    """
+    left, right = reference.resolve_window(causal, window_size)
+    softcap = reference.check_softcap(softcap)
+    sink = _check_sink(learnable_sink, heads)
+    if left >= seqlen_k - 1:
+        left = -1
+    if right >= seqlen_q - 1 and not causal:
+        right = -1
+    feature_causal = causal or right == 0
+    if feature_causal:
+        right = -1
+    features = None
+    if left >= 0 or right >= 0 or softcap or sink is not None:
+        features = ScoreFeatures(left, right, softcap, sink)
+        if variant == "paper":
+            raise ValueError(
+                "the paper variant has no sliding window, softcap or learnable_sink (the seed paper's "
+                "kernel); use variant='ws' or None"
+            )
+        variant = "ws"
+    elif feature_causal == causal:
+        return None, causal, None  # nothing changes: the config of `_validate`
+    return features, feature_causal, _select(head_dim, feature_causal, seqlen_k, variant, tile, _selector())
+
+
+def _selector():
+    return config.select_config.__wrapped__ if torch.compiler.is_compiling() else config.select_config
+
+
+def _check_sink(sink, heads: int) -> torch.Tensor | None:
+    """learnable_sink as the kernel takes it: None, or (heads,) float32 contiguous."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be None or a torch.Tensor, got {type(sink).__name__}")
+    if not sink.is_floating_point():
+        raise TypeError(f"learnable_sink must be a float tensor, got {sink.dtype}")
+    if tuple(sink.shape) != (heads,):
+        raise ValueError(f"learnable_sink must have shape (heads,) = ({heads},), got {tuple(sink.shape)}")
+    return sink.to(torch.float32).contiguous()
 
 
 # Until the backward pass exists: an input that requires grad would get an output without a
@@ -115,16 +294,7 @@ def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, con
         and head_dim in config.SUPPORTED_HEAD_DIMS
     ):
         _tensor_rules(q, k, v)
-    if softmax_scale is None:
-        scale = config.default_softmax_scale(head_dim)
-    else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(
-                f"softmax_scale must be None or a float, got {type(softmax_scale).__name__} {softmax_scale!r}"
-            )
-        scale = float(softmax_scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    scale = _check_scale(softmax_scale, head_dim)
     if causal is not True and causal is not False:
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if torch.compiler.is_compiling():
@@ -133,6 +303,19 @@ def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, con
     if variant is None and tile is None:
         return scale, config.auto_config(head_dim, causal, min(k_shape[1], config.AUTO_SEQLEN_K_CAP))
     return scale, _select(head_dim, causal, k_shape[1], variant, tile, config.select_config)
+
+
+def _check_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return config.default_softmax_scale(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(
+            f"softmax_scale must be None or a float, got {type(softmax_scale).__name__} {softmax_scale!r}"
+        )
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    return scale
 
 
 def _select_uncached(head_dim, causal, seqlen_k, variant, tile):
@@ -226,11 +409,31 @@ def _conforming(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse) -> None:
+def _conforming_packed(t: torch.Tensor) -> torch.Tensor:
+    """`_conforming` for a packed (total, heads, head_dim) tensor."""
+    s0, s1, s2 = t.stride()
+    if (
+        s2 == 1
+        and s0 > 0
+        and s1 > 0
+        and not (s0 % _STRIDE_MULTIPLE or s1 % _STRIDE_MULTIPLE)
+        and t.data_ptr() % _ALIGN_BYTES == 0
+    ):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse, features=None) -> None:
     global _kernels
     if _kernels is None:  # imported on first use: importing the package needs no CuTe DSL
         from hopper_fmha import kernels as _kernels
-    _kernels.forward(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
+    if features is None:
+        _kernels.forward(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
+    else:
+        _kernels.forward(
+            q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse,
+            window=(features.left, features.right), softcap=features.softcap, learnable_sink=features.sink,
+        )  # fmt: skip
 
 
 _kernels = None
@@ -247,16 +450,18 @@ def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fwd_impl(
-    q, k, v, softmax_scale: float, causal: bool, cfg, return_lse: bool
+    q, k, v, softmax_scale: float, causal: bool, cfg, return_lse: bool, features: ScoreFeatures | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _empty_outputs(q)
     if out.numel() == 0:
         return out, lse
     if k.shape[1] == 0:
-        # No key is visible to any query row.
+        # No key is visible to any query row: out 0, lse -inf (with a sink, the sink's logit).
+        if features is not None and features.sink is not None:
+            return out.zero_(), lse.copy_(features.sink[None, :, None].expand_as(lse))
         return out.zero_(), lse.fill_(-math.inf)
     q, k, v = _conforming(q), _conforming(k), _conforming(v)
-    _launch(q, k, v, out, lse, softmax_scale, causal, cfg, return_lse)
+    _launch(q, k, v, out, lse, softmax_scale, causal, cfg, return_lse, features)
     return out, lse
 
 
@@ -271,11 +476,85 @@ def _fwd(
     tile_m: int,
     tile_n: int,
     return_lse: bool,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = config.select_config(q.shape[3], variant, (tile_m, tile_n))
-    return _fwd_impl(q, k, v, softmax_scale, causal, cfg, return_lse)
+    features = None
+    if window_left >= 0 or window_right >= 0 or softcap or learnable_sink is not None:
+        features = ScoreFeatures(window_left, window_right, softcap, learnable_sink)
+    return _fwd_impl(q, k, v, softmax_scale, causal, cfg, return_lse, features)
 
 
 @_fwd.register_fake
-def _(q, k, v, softmax_scale, causal, variant, tile_m, tile_n, return_lse):
+def _(q, k, v, softmax_scale, causal, variant, tile_m, tile_n, return_lse, *features):
     return _empty_outputs(q)
+
+
+def _varlen_empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _varlen_fwd_impl(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, cfg,
+    return_lse, features,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    out, lse = _varlen_empty_outputs(q)
+    if out.numel() == 0 or max_seqlen_q == 0:
+        return out, lse
+    if k.shape[0] == 0 or max_seqlen_k == 0:
+        # No key is visible to any query row: out 0, lse -inf (with a sink, the sink's logit).
+        if features is not None and features.sink is not None:
+            return out.zero_(), lse.copy_(features.sink[:, None].expand_as(lse))
+        return out.zero_(), lse.fill_(-math.inf)
+    q, k, v = _conforming_packed(q), _conforming_packed(k), _conforming_packed(v)
+    global _kernels
+    if _kernels is None:
+        from hopper_fmha import kernels as _kernels
+    window, cap, sink = None, 0.0, None
+    if features is not None:
+        window, cap, sink = (features.left, features.right), features.softcap, features.sink
+    _kernels.varlen_forward(
+        q, k, v, out, lse, softmax_scale, causal, cfg, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        seqused_k, exact_lse=return_lse, window=window, softcap=cap, learnable_sink=sink,
+    )  # fmt: skip
+    return out, lse
+
+
+@torch.library.custom_op("hopper_fmha::varlen_fwd", mutates_args=())
+def _varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    seqused_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    tile_m: int,
+    tile_n: int,
+    return_lse: bool,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = config.select_config(q.shape[2], "ws", (tile_m, tile_n))
+    features = None
+    if window_left >= 0 or window_right >= 0 or softcap or learnable_sink is not None:
+        features = ScoreFeatures(window_left, window_right, softcap, learnable_sink)
+    return _varlen_fwd_impl(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        cfg, return_lse, features,
+    )  # fmt: skip
+
+
+@_varlen_fwd.register_fake
+def _(q, *args):
+    return _varlen_empty_outputs(q)

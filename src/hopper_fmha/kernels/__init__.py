@@ -55,7 +55,7 @@ def forward(
     softcap: float = 0.0,
     learnable_sink=None,
 ) -> None:
-    """Score features (ws variant only; compiled, not yet wired into `flash_attn_func`):
+    """Score features (ws variant only; `flash_attn_func` passes them, resolved):
     window=(left, right) (-1: no limit on that side; with causal, right is 0 and left kept),
     softcap > 0 (s = softcap * tanh(softmax_scale * q.k / softcap)), learnable_sink: (H,) float32
     logits. Their defaults launch the kernels of before (`score_features`)."""
@@ -76,6 +76,60 @@ def forward(
             fn(*launch_arguments(*part, softmax_scale, causal, ws=False))
         return
     fn(*args)
+
+
+def varlen_forward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    softmax_scale: float,
+    causal: bool,
+    cfg,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    seqused_k=None,
+    *,
+    exact_lse: bool = True,
+    window=None,
+    softcap: float = 0.0,
+    learnable_sink=None,
+) -> None:
+    """Packed variable-length sequences (ws variant): q, out (total_q, H, D), k, v (total_k, Hkv,
+    D), lse (H, total_q) float32; cu_seqlens_q/k (batch + 1,) int32 offsets, seqused_k (batch,)
+    int32 or None, on q's device. max_seqlen_q sizes the grid (rows past it are not computed; a
+    sequence's tiles past its own end are skipped); max_seqlen_k picks the tile and the causal
+    order's groups. Score features as `forward`'s."""
+    if cfg.variant != "ws":
+        raise NotImplementedError("varlen needs the ws variant")
+    features = score_features(causal, window, softcap, learnable_sink)
+    cfg = launch_config(cfg, causal, max_seqlen_k, exact_lse=exact_lse)
+    key = KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg)
+    if features is not None:
+        key = feature_key(key, features)
+    fn = get_kernel(varlen_key(key, seqused_k is not None))
+    ctas, lpt_group = schedule_varlen(q, k, causal, max_seqlen_k)
+    counters, slot = _tile_counters(q.get_device(), causal)
+    args = (q, k, v, out, lse, softmax_scale, q.shape[1] // k.shape[1], ctas, lpt_group, counters, slot)
+    args += tuple(features) if features is not None else (None, None, None, None)
+    fn(*args, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q)
+
+
+def varlen_key(key: KernelKey, seqused_k: bool) -> KernelKey:
+    """`key` for packed sequences (`kernels/seqlen.py`), with seqused_k where given."""
+    return key._replace(varlen=True, seqused_k=seqused_k)
+
+
+def schedule_varlen(q, k, causal: bool, max_seqlen_k: int, mode: str | None = None) -> tuple[int, int]:
+    """`schedule` for packed tensors: the causal order's groups sized by the longest sequence."""
+    mode = SCHEDULE if mode is None else mode
+    max_ctas = 0
+    if mode in ("auto", "persistent"):
+        max_ctas = PERSISTENT_CTAS if PERSISTENT_CTAS is not None else _sm_count(q.get_device())
+    return max_ctas, _lpt_group(causal, max_seqlen_k * k.shape[2] * 2 * k.element_size())
 
 
 # The paper kernel's grid is (query tiles, heads, batch), and a grid's y and z stop at 65535 (x at
@@ -205,12 +259,17 @@ def schedule(q, k, causal: bool, mode: str | None = None) -> tuple[int, int]:
     max_ctas = 0
     if persistent:
         max_ctas = PERSISTENT_CTAS if PERSISTENT_CTAS is not None else _sm_count(q.get_device())
-    lpt_group = 0
-    if causal:
-        kv_head_bytes = k.shape[1] * k.shape[3] * 2 * k.element_size()
-        fit = max(1, LPT_L2_BYTES // max(kv_head_bytes, 1))
-        lpt_group = 1 << (fit.bit_length() - 1)  # a power of two, as FlashAttention's LPT scheduler
-    return max_ctas, lpt_group
+    return max_ctas, _lpt_group(causal, k.shape[1] * k.shape[3] * 2 * k.element_size())
+
+
+def _lpt_group(causal: bool, kv_head_bytes: int) -> int:
+    """(head, batch) pairs per longest-first group: as many as have K and V (`kv_head_bytes`
+    each) in LPT_L2_BYTES, a power of two (as FlashAttention's LPT scheduler); 0 (none) unless
+    causal."""
+    if not causal:
+        return 0
+    fit = max(1, LPT_L2_BYTES // max(kv_head_bytes, 1))
+    return 1 << (fit.bit_length() - 1)
 
 
 # Persistent causal launches take tiles from a pair of int32 counters in global memory, which

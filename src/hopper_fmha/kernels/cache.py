@@ -49,11 +49,20 @@ class KernelKey(NamedTuple):
     window: str = ""
     softcap: bool = False  # s = cap * tanh(softmax_scale * q.k / cap), the cap a launch argument
     sink: bool = False  # a learnable per-head sink logit, an (h,) float32 launch argument
+    # Packed variable-length sequences (`kernels/seqlen.py`): q, k, v, out (total, h, d), lse
+    # (h, total_q), cu_seqlens_q/k and max_seqlen_q launch arguments; seqused_k adds (batch,) int32.
+    varlen: bool = False
+    seqused_k: bool = False
 
     @property
     def features(self) -> bool:
         """Whether the key has a score feature: its kernel takes the features' launch arguments."""
         return bool(self.window) or self.softcap or self.sink
+
+    @property
+    def extra_arguments(self) -> bool:
+        """Whether its kernel takes the features' launch arguments (and, varlen, the sequences')."""
+        return self.features or self.varlen
 
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
@@ -76,6 +85,8 @@ class KernelKey(NamedTuple):
             slug += f"_win{self.window}" if self.window else ""
             slug += "_softcap" if self.softcap else ""
             slug += "_sink" if self.sink else ""
+            slug += "_varlen" if self.varlen else ""
+            slug += "_used" if self.seqused_k else ""
         return slug
 
 
@@ -145,10 +156,12 @@ def _kernel_object(key: KernelKey):
 def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
     """Compile-time stand-ins for (q, k, v, out, lse, scale, qhead_per_kvhead, [ws: max_ctas,
     lpt_group, tile_counters, counter_slot,] stream[, window_left, window_right, softcap,
-    learnable_sink]).
+    learnable_sink[, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q]]).
 
-    The last four only for keys with a score feature (`KernelKey.features`), each None where the
-    key does not use it (`kernels.launch_arguments` passes the same).
+    The score features' four for keys with a score feature or varlen (`KernelKey.extra_arguments`),
+    each None where the key does not use it, then varlen's four (seqused_k None unless the key
+    has it); `kernels.launch_arguments` passes the same. Varlen: q, k, v, out (total, h, d) and
+    lse (h, total_q).
 
     Batch, sequence lengths and head counts are symbolic, so one compiled kernel serves them all;
     strides are symbolic 64-bit values divisible by 8 elements (16 bytes, as TMA requires).
@@ -169,10 +182,20 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
         )
         return cute.runtime.make_fake_tensor(dtype, (b, seqlen, heads, d), stride=stride, assumed_align=16)
 
-    q, k, v, o = bshd(sq, h), bshd(sk, hkv), bshd(sk, hkv), bshd(sq, h)
-    lse = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
-    )
+    def packed(total, heads):
+        stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
+        return cute.runtime.make_fake_tensor(dtype, (total, heads, d), stride=stride, assumed_align=16)
+
+    if key.varlen:
+        q, k, v, o = packed(sq, h), packed(sk, hkv), packed(sk, hkv), packed(sq, h)
+        lse = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (h, sq), stride=(cute.sym_int64(), 1), assumed_align=4
+        )
+    else:
+        q, k, v, o = bshd(sq, h), bshd(sk, hkv), bshd(sk, hkv), bshd(sq, h)
+        lse = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+        )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
     scalars = (cutlass.Float32(1.0), cutlass.Int32(1))
     if key.variant == "ws":  # max_ctas, lpt_group (hopper_fmha.kernels.schedule), tile counters, slot
@@ -181,7 +204,7 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
         )
         scalars += (cutlass.Int32(0), cutlass.Int32(0), counters, cutlass.Int32(0))
     features = ()
-    if key.variant == "ws" and key.features:
+    if key.variant == "ws" and key.extra_arguments:
         sink = None
         if key.sink:
             sink = cute.runtime.make_fake_tensor(cutlass.Float32, (h,), stride=(1,), assumed_align=4)
@@ -191,6 +214,15 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
             cutlass.Float32(1.0) if key.softcap else None,
             sink,
         )
+    if key.variant == "ws" and key.varlen:
+
+        def int32_vector():
+            return cute.runtime.make_fake_tensor(
+                cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4
+            )
+
+        used = int32_vector() if key.seqused_k else None
+        features += (int32_vector(), int32_vector(), used, cutlass.Int32(1))
     return (q, k, v, o, lse, *scalars, stream, *features)
 
 

@@ -10,11 +10,11 @@ O buffers (`o_buffer`, `config.ws_o_buffer` decides which fits):
              the buffer is written again once the previous tile's store has read it.
     "split"  a 64 x min(d, 128) buffer per consumer warpgroup, stored in d / 128 passes at d = 256.
     "q"      Q's buffer: the store must have read it before the next Q loads (`mbar_Q_empty`).
-Today: dense (b, s, h, d) O and (b, h, s) LSE, rows past seqlen_q clipped by the TMA store and
-skipped for LSE.
-To come, each one field of the compile key: varlen (the batch's rows at `seqlen.offset_q` of
-packed tensors; a ragged TMA store that clips at each sequence's end), split-KV (partial O and LSE
-to a workspace, combined by a second kernel), pack-GQA (a tile's rows from several heads).
+Dense (b, s, h, d) O and (b, h, s) LSE: rows past seqlen_q clipped by the TMA store and skipped
+for LSE. Varlen: packed (total, h, d) O through a ragged TMA view that clips at each sequence's
+end (`SeqlenInfo.ragged_tile`), LSE (h, total) at the sequence's offset.
+To come, each one field of the compile key: split-KV (partial O and LSE to a workspace, combined
+by a second kernel), pack-GQA (a tile's rows from several heads).
 """
 
 from __future__ import annotations
@@ -107,7 +107,10 @@ class Epilogue:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.tile_m + tOcO_mn[r, 0][0]
                 if row < seqlen.seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
+                    if const_expr(seqlen.varlen):
+                        mLSE[seqlen.offset_q + row, head, 0] = lse[r]
+                    else:
+                        mLSE[row, head, batch] = lse[r]
 
         # O: registers -> smem (stmatrix) -> TMA store. With its own buffer, O waits only for the
         # previous tile's store to have read it. In Q's buffer: a warpgroup's rows of sQ are read
@@ -115,7 +118,7 @@ class Epilogue:
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
         convert(acc_O, rO)
         if const_expr(self.split_o):
-            self.store_o_split(rO, sO, tma_atom_O, mO, tidx, m_block, head, batch)
+            self.store_o_split(rO, sO, tma_atom_O, mO, tidx, m_block, head, batch, seqlen)
             return
         if const_expr(self.separate_o):
             if tidx // 32 == 0:
@@ -126,7 +129,9 @@ class Epilogue:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.barrier_epilogue, number_of_threads=self.num_mma_threads)
         if tidx // 32 == 0:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            gO = cute.local_tile(
+                self.o_rows(mO, head, batch, seqlen), (self.tile_m, self.head_dim), (m_block, 0)
+            )
             tOsO, tOgO = cpasync.tma_partition(
                 tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
             )
@@ -149,6 +154,7 @@ class Epilogue:
         m_block: Int32,
         head: Int32,
         batch: Int32,
+        seqlen: SeqlenInfo,
     ):
         """split: a warpgroup's 64 rows of O through its own buffer, o_cols columns per pass.
 
@@ -163,7 +169,7 @@ class Epilogue:
         sO_wg = sO[None, None, wg]
         tOsO = smem_copy_O.partition_D(sO_wg)
         gO = cute.local_tile(
-            mO[None, None, head, batch], (64, self.o_cols), (m_block * self.num_mma_wg + wg, None)
+            self.o_rows(mO, head, batch, seqlen), (64, self.o_cols), (m_block * self.num_mma_wg + wg, None)
         )
         tOsO_tma, tOgO_tma = cpasync.tma_partition(
             tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO_wg, 0, 2), cute.group_modes(gO, 0, 2)
@@ -183,6 +189,14 @@ class Epilogue:
             if issuer:
                 cute.copy(tma_atom_O, tOsO_tma, tOgO_tma[None, h])
                 cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def o_rows(self, mO: cute.Tensor, head: Int32, batch: Int32, seqlen: SeqlenInfo) -> cute.Tensor:
+        """The (s, d) rows of O's TMA tensor that hold this sequence's head `head`: dense, the
+        batch's; varlen, a ragged view that ends where the sequence does (host: `ragged_rows`)."""
+        if const_expr(seqlen.varlen):
+            return seqlen.ragged_tile(mO, head)
+        return mO[None, None, head, batch]
 
     @cute.jit
     def drain(self, tidx: Int32):

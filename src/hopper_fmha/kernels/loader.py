@@ -8,9 +8,9 @@ Contract (`TmaLoader`, built from the tile shape and `cluster_m`):
                into the pipeline's next free stage with its barrier armed for the bytes.
 Today: TMA from dense (s, d, h, b) tensors; with CTA pairs (cluster_m = 2) each CTA loads half of
 every K/V block and multicasts it into both CTAs of the pair.
-To come, each one field of the compile key: paged K/V (blocks gathered through a page table,
-by TMA where a page is a whole block, else cp.async) and varlen (the batch's rows start at
-`seqlen.offset_q/offset_k` of packed tensors).
+Varlen: the batch's rows start at `seqlen.offset_q/offset_k` of packed tensors (`SeqlenInfo.rows`).
+To come, a field of the compile key: paged K/V (blocks gathered through a page table, by TMA
+where a page is a whole block, else cp.async).
 """
 
 from __future__ import annotations
@@ -99,11 +99,15 @@ class TmaLoader:
     def partition(self, m_block: Int32, head: Int32, head_kv: Int32, batch: Int32, seqlen: SeqlenInfo):
         """One tile's views: its Q tile, its head's K and V blocks (indexed by key block) and
         the smem buffers, as the TMA copies take them. seqlen: where the batch's sequence is
-        (dense: the whole of the batch's rows, nothing to offset)."""
+        (dense: the whole of the batch's rows; varlen: packed rows from its offsets on, loads
+        past its end masked or dropped by the consumers)."""
         sQ, sK, sV = self.sQ, self.sK, self.sV
-        gQ = cute.local_tile(self.mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-        gK = cute.local_tile(self.mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(self.mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        mQ = seqlen.rows(self.mQ, head, batch, seqlen.offset_q)
+        mK = seqlen.rows(self.mK, head_kv, batch, seqlen.offset_k)
+        mV = seqlen.rows(self.mV, head_kv, batch, seqlen.offset_k)
+        gQ = cute.local_tile(mQ, (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK, (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV, (self.tile_n, self.head_dim), (None, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
             self.tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )

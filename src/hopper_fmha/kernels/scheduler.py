@@ -15,9 +15,11 @@ tiles (`next_tile`); tiles that differ in work (causal) go longest first within 
 the next index from a global counter (`counters`, two int32 per launch slot, zero between
 launches: the last CTA to finish sets them back).
 
-To come, each one field of the compile key: varlen (tiles counted from cu_seqlens_q, a batch's
-tiles then differ in number), split-KV (a tile is also a range of key blocks), pack-GQA (a tile
-holds the query rows of several heads sharing one K/V head).
+Varlen: tiles are counted up to max_seqlen_q for every sequence; the kernel's producer skips
+those past a sequence's end before announcing any (`WsFwdSm90.skip_empty`), so a batch's tiles
+differ in number without a table of them.
+To come, each one field of the compile key: split-KV (a tile is also a range of key blocks),
+pack-GQA (a tile holds the query rows of several heads sharing one K/V head).
 """
 
 from __future__ import annotations

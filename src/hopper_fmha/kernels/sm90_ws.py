@@ -73,6 +73,12 @@ blocks [n_min, n_max) instead of [0, n_max): the producer loads and the consumer
 same blocks (last down to n_min), the blocks at the window's left edge masked last. Windows
 need cluster_m = 1 (paired tiles visit different blocks) and, with a left limit, no causal_trim.
 
+Packed variable-length sequences (`varlen`, and `seqused_k`): q, k, v, out (total, h, d) seen
+as (total, d, h, 1); `SeqlenInfo` reads each batch's offsets and lengths from cu_seqlens, the
+scheduler counts tiles up to max_seqlen_q and the producer skips those past a sequence's end
+(`skip_empty`), loads start at the sequence's offset and O's TMA store goes through a ragged view
+that clips at the sequence's end (`seqlen.ragged_rows`).
+
 Constraints: head_dim in {64, 128, 256}; fp16/bf16 in, fp32 accumulate; tile_m in {128, 192};
 tile_n a multiple of 16 (the P·V K-blocks), at most 256 (WGMMA N); bottom-right causal.
 `hopper_fmha.config` owns the tile table and the checks that a tile fits.
@@ -94,7 +100,7 @@ from .epilogue import Epilogue
 from .loader import TmaLoader
 from .mask import Mask
 from .scheduler import TileScheduler
-from .seqlen import SeqlenInfo
+from .seqlen import SeqlenInfo, packed_view, ragged_rows
 from .sm90_common import (
     LOG2_E,
     acc_mn_layout,
@@ -150,6 +156,8 @@ class WsFwdSm90:
         window: str = "",
         softcap: bool = False,
         sink: bool = False,
+        varlen: bool = False,
+        seqused_k: bool = False,
     ):
         assert head_dim in (64, 128, 256)
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
@@ -233,6 +241,10 @@ class WsFwdSm90:
         assert not (self.trim and self.window_left), "causal_trim with a left window is not supported"
         self.softcap = softcap
         self.sink = sink
+        # Packed variable-length sequences (`SeqlenInfo`): cu_seqlens_q/k, and seqused_k.
+        assert varlen or not seqused_k, "seqused_k needs varlen"
+        self.varlen = varlen
+        self.seqused_k = seqused_k
 
         # The parts (see the module docstring).
         self.mask = Mask(tile_m, tile_n, causal, self.window_left, self.window_right)
@@ -281,6 +293,10 @@ class WsFwdSm90:
         window_right: Int32 | None = None,
         softcap: Float32 | None = None,
         mSink: cute.Tensor | None = None,
+        mCuSeqlensQ: cute.Tensor | None = None,
+        mCuSeqlensK: cute.Tensor | None = None,
+        mSeqUsedK: cute.Tensor | None = None,
+        max_seqlen_q: Int32 | None = None,
     ):
         """Launch over every (m_block, head, batch) tile; `max_ctas` > 0 makes it persistent.
 
@@ -291,12 +307,27 @@ class WsFwdSm90:
         Score features, given only to kernels compiled with them (else None): window_left and
         window_right (sizes >= 0 of the sides `window` limits), softcap (the cap, > 0) and mSink
         ((h,) float32 logits).
+        Varlen, given only to kernels compiled with it: q, k, v, out packed (total, h, d), lse
+        (h, total_q); mCuSeqlensQ/K (int32, batch + 1), mSeqUsedK (int32, batch; seqused_k
+        kernels) and max_seqlen_q, which sizes the grid (rows past it are not computed).
         """
         # Sequence first, as the TMA tiles and WGMMA expect: (s, d, h, b) and LSE (s, h, b).
-        mQ, mK, mV, mO = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mO)
-        ]
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        if const_expr(self.varlen):
+            num_batch = mCuSeqlensQ.shape[0] - 1
+            mQ, mK, mV, mO = [packed_view(t) for t in (mQ, mK, mV, mO)]
+            mLSE = cute.make_tensor(
+                mLSE.iterator,
+                cute.append(cute.select(mLSE.layout, mode=[1, 0]), cute.make_layout(1, stride=0)),
+            )
+            seqlen_q_grid = max_seqlen_q
+        else:
+            mQ, mK, mV, mO = [
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                for t in (mQ, mK, mV, mO)
+            ]
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+            num_batch = mQ.shape[3]
+            seqlen_q_grid = mQ.shape[0]
 
         tiled_mma_qk, tiled_mma_pv, tiled_mma_sum, tiled_mma_qk_half = self._tiled_mmas()
         # Ones (ROWSUM_COLS x tile_n, K-major), GEMM-II's partner's B operand (mma_rowsum).
@@ -311,7 +342,10 @@ class WsFwdSm90:
             mQ, mK, mV, sQ_layout, sKV_stage_layout
         )
         # O: the whole tile from Q's or its own buffer, or (split_o) 64 x 128 from a warpgroup's.
-        sO_layout, o_elems, tma_atom_O, tma_O = self.epilogue.make_atom(mO, sQ_layout)
+        # Varlen: a ragged view, so that each tile's store clips at its sequence's end.
+        sO_layout, o_elems, tma_atom_O, tma_O = self.epilogue.make_atom(
+            ragged_rows(mO) if const_expr(self.varlen) else mO, sQ_layout
+        )
 
         @cute.struct
         class SharedStorage:
@@ -343,9 +377,13 @@ class WsFwdSm90:
             window_right = None
         if const_expr(not self.sink):
             mSink = None
+        if const_expr(not self.varlen):
+            max_seqlen_q, mCuSeqlensQ, mCuSeqlensK = None, None, None
+        if const_expr(not self.seqused_k):
+            mSeqUsedK = None
 
         # Tiles (cluster_m = 2: pairs of query tiles), one per cluster at a time.
-        grid = self.scheduler.grid(mQ.shape[0], mQ.shape[2], mQ.shape[3], max_ctas)
+        grid = self.scheduler.grid(seqlen_q_grid, mQ.shape[2], num_batch, max_ctas)
         self.kernel(
             tma_atom_Q,
             tma_Q,
@@ -375,6 +413,10 @@ class WsFwdSm90:
             window_right,
             softcap_scale,
             mSink,
+            max_seqlen_q,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mSeqUsedK,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -415,6 +457,10 @@ class WsFwdSm90:
         window_right: Int32 | None,
         softcap_scale: Float32 | None,
         mSink: cute.Tensor | None,
+        max_seqlen_q: Int32 | None,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -485,12 +531,18 @@ class WsFwdSm90:
         if const_expr(self.separate_o or self.split_o):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
-        # Dense: every batch's sequence lengths (`SeqlenInfo.create`).
-        seqlens = (mQ.shape[0], mK.shape[0])
-        num_heads, num_batch = mQ.shape[2], mQ.shape[3]
+        # `SeqlenInfo.create`'s arguments after the batch. Dense: every batch's sequence lengths.
+        # Varlen: tiles up to max_seqlen_q, lengths and offsets from cu_seqlens (and seqused_k).
+        num_heads = mQ.shape[2]
+        if const_expr(self.varlen):
+            seqlen_q_grid, num_batch = max_seqlen_q, mCuSeqlensQ.shape[0] - 1
+            seqlens = (mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        else:
+            seqlen_q_grid, num_batch = mQ.shape[0], mQ.shape[3]
+            seqlens = (mQ.shape[0], mK.shape[0])
         s_tile = storage.tile_index.get_tensor(cute.make_layout(1))
         counters = tile_counters.iterator + 2 * counter_slot
-        sched = self.scheduler.create(seqlens[0], num_heads, num_batch, lpt_group, s_tile, counters)
+        sched = self.scheduler.create(seqlen_q_grid, num_heads, num_batch, lpt_group, s_tile, counters)
         mask = self.mask
         if const_expr(self.window_left or self.window_right):
             mask = self.mask.with_window(window_left, window_right)
@@ -537,16 +589,16 @@ class WsFwdSm90:
         The K/V pipelines run on across tiles, so the next tile's first blocks load while the
         consumers finish this one; Q waits until the consumers release Q's buffer. Each tile is
         announced to the consumers (`TileScheduler.announce`), and at the end an index past the
-        last tile, which tells them to stop. seqlens: the tensors' (seqlen_q, seqlen_k). mask:
+        last tile, which tells them to stop. seqlens: `SeqlenInfo.create`'s arguments after the
+        batch (dense: the tensors' seqlen_q, seqlen_k; varlen: also cu_seqlens, seqused_k). mask:
         `self.mask` with the window's sizes: the blocks [n_min, n_max) it gives, as the consumers.
         """
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        seqlen_q, seqlen_k = seqlens
         num_tiles = sched.num_tiles()
         cta, num_ctas = sched.ctas()
         loader = self.loader.create(tma_atom_Q, mQ, sQ, tma_atom_K, mK, sK, tma_atom_V, mV, sV)
-        tile = cta
+        tile = self.skip_empty(sched, cta, cta, num_ctas, seqlens)
         q_phase = Int32(0)
         announced = Int32(0)
         while tile < num_tiles:
@@ -554,7 +606,7 @@ class WsFwdSm90:
             announced += 1
             m_block, head, batch = sched.tile_coords(tile)
             head_kv = head // qhead_per_kvhead
-            seqlen = SeqlenInfo.create(batch, seqlen_q, seqlen_k)
+            seqlen = SeqlenInfo.create(batch, *seqlens)
             n_min, n_max, _, _ = self.block_range(mask, m_block, seqlen)
             kv = loader.partition(m_block, head, head_kv, batch, seqlen)
             if n_max > n_min:
@@ -582,7 +634,7 @@ class WsFwdSm90:
             # still have about num_stages blocks to go, which hides the atomic. Claimed when
             # this tile started, a CTA would hold a tile it cannot start while others run dry:
             # d256 causal measured 611 vs 673 TFLOP/s (a simulation of the order predicted 7%).
-            tile = sched.fetch_tile(tile, cta, num_ctas)
+            tile = self.skip_empty(sched, sched.fetch_tile(tile, cta, num_ctas), cta, num_ctas, seqlens)
         sched.announce(tile, announced)  # past the last tile: the consumers stop
         sched.finish(num_ctas)
         # Stay until the consumers have released every buffer: no arrive lands after exit.
@@ -662,7 +714,6 @@ class WsFwdSm90:
         o_scale = cute.make_rmem_tensor((rows_per_thread,), Float32)
         cS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         tScS_mn = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
-        seqlen_q, seqlen_k = seqlens
 
         if const_expr(self.pingpong):
             # The first consumer warpgroup starts with the token.
@@ -684,7 +735,7 @@ class WsFwdSm90:
                 # the consumers per tile.
                 cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
             m_block, head, batch = sched.tile_coords(tile)
-            seqlen = SeqlenInfo.create(batch, seqlen_q, seqlen_k)
+            seqlen = SeqlenInfo.create(batch, *seqlens)
             n_min, n_max, n_left_masked, n_unmasked = self.block_range(mask, m_block, seqlen)
             acc_O.fill(0.0)
             if const_expr(self.mma_rowsum):
@@ -767,6 +818,23 @@ class WsFwdSm90:
             )  # fmt: skip
             tile = sched.next_announced()
         self.epilogue.drain(tidx)
+
+    @cute.jit
+    def skip_empty(self, sched: TileScheduler, tile: Int32, cta: Int32, num_ctas: Int32, seqlens: tuple):
+        """Producer: `tile`, or (varlen) the first tile from it on whose query rows start inside
+        their sequence (tiles count up to max_seqlen_q rows; a shorter sequence's last ones are
+        empty and never announced). With CTA pairs, the pair's first tile decides, for both."""
+        if const_expr(self.varlen):
+            num_tiles = sched.num_tiles()
+            searching = tile < num_tiles
+            while searching:
+                m_block, _, batch = sched.tile_coords(tile)
+                seqlen = SeqlenInfo.create(batch, *seqlens)
+                searching = False
+                if (m_block - m_block % self.cluster_m) * self.tile_m >= seqlen.seqlen_q:
+                    tile = sched.fetch_tile(tile, cta, num_ctas)
+                    searching = tile < num_tiles
+        return tile
 
     @cute.jit
     def block_range(self, mask: Mask, m_block: Int32, seqlen: SeqlenInfo):

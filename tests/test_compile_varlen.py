@@ -1,0 +1,56 @@
+"""Compile tier, packed variable-length sequences: the ws kernel with `varlen` (and seqused_k,
+and with score features) compiles for sm_90a at the table's configs, each head dim, causal or
+not, without spills, and still issues its loads by TMA and stores O by TMA (the ragged view).
+
+Compiled, not run here: tests/test_gpu_varlen.py checks the numbers on a Hopper GPU.
+"""
+
+import pytest
+from test_compile_ws_features import inspected  # noqa: E402  (tests/ is on sys.path)
+
+from hopper_fmha.config import SUPPORTED_HEAD_DIMS, launch_config, select_config
+from hopper_fmha.kernels import feature_key, score_features, varlen_key
+from hopper_fmha.kernels.cache import KernelKey
+
+pytestmark = pytest.mark.compile
+
+
+def varlen_keys(head_dim, causal, seqused_k=False, features=None) -> KernelKey:
+    cfg = launch_config(select_config(head_dim, "ws"), causal, 4096, exact_lse=True)
+    key = KernelKey.from_config("bfloat16", causal, cfg)
+    if features is not None:
+        key = feature_key(key, score_features(causal, *features))
+    return varlen_key(key, seqused_k)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_varlen_compiles_without_spills(head_dim, causal, record_property):
+    key = varlen_keys(head_dim, causal, seqused_k=causal)
+    assert (
+        key.varlen
+        and key.seqused_k == causal
+        and key.slug().endswith("_varlen" + ("_used" if causal else ""))
+    )
+    row = inspected(key)
+    record_property("kernel_resources", row)
+    assert row["stack_bytes"] == 0, f"{row['stack_bytes']} bytes of stack: registers spill"
+    if "sass_missing" in row:
+        pytest.skip(row["sass_missing"])
+    assert row["ldl"] == 0 and row["stl"] == 0
+    assert row["hgmma_ss"] > 0 and row["hgmma_rs"] > 0
+    assert row["utmaldg"] > 0 and row["utmastg"] > 0, "loads and O's store by TMA"
+
+
+def test_varlen_with_score_features_compiles():
+    key = varlen_keys(128, True, features=((256, -1), 30.0, "sink"))
+    assert (key.window, key.softcap, key.sink, key.varlen) == ("left", True, True, True)
+    row = inspected(key)
+    assert row["stack_bytes"] == 0
+
+
+def test_varlen_key_leaves_the_dense_keys_alone():
+    cfg = launch_config(select_config(128, "ws"), False, 4096)
+    key = KernelKey.from_config("float16", False, cfg)
+    assert not key.varlen and not key.seqused_k and "varlen" not in key.slug()
+    assert varlen_key(key, False) == key._replace(varlen=True)

@@ -1,0 +1,191 @@
+"""flash_attn_varlen_func on the CPU: what reaches the kernel and what comes back, with a
+reference stand-in for the kernel (as tests/test_validation.py does for flash_attn_func).
+
+The argument rules themselves are tests/test_varlen_args.py's; here, the call's plumbing: the
+score features' resolution per longest sequence, the empty cases, the output layouts, grad and
+torch.compile.
+"""
+
+import math
+import types
+
+import pytest
+import torch
+
+from hopper_fmha import flash_attn_varlen_func, interface
+from hopper_fmha.reference import reference_varlen
+
+pytestmark = pytest.mark.cpu
+
+LENGTHS_Q = [5, 0, 17, 1, 9]
+LENGTHS_K = [7, 3, 17, 0, 30]
+
+
+def packed(lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, heads=4, kv_heads=2, head_dim=64, dtype=torch.float16):
+    g = torch.Generator().manual_seed(0)
+    cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(int(cu_k[-1]), kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(int(cu_k[-1]), kv_heads, head_dim, generator=g).to(dtype)
+    return q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k)
+
+
+@pytest.fixture
+def cpu_kernel(monkeypatch):
+    """The device check skipped and `kernels.varlen_forward` replaced by `reference_varlen`,
+    which asserts the kernel's input contract and records every launch."""
+    launches = []
+
+    def varlen_forward(
+        q, k, v, out, lse, softmax_scale, causal, cfg, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        seqused_k=None, *, exact_lse=True, window=None, softcap=0.0, learnable_sink=None,
+    ):  # fmt: skip
+        assert cfg.variant == "ws"
+        assert out.shape == q.shape and out.is_contiguous()
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+        assert not (causal and window is not None and window[1] >= 0)
+        o, l = reference_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+            window_size=window or (-1, -1), softcap=softcap, learnable_sink=learnable_sink,
+            seqused_k=seqused_k,
+        )  # fmt: skip
+        out.copy_(o)
+        lse.copy_(l)
+        launches.append(dict(causal=causal, cfg=cfg, window=window, softcap=softcap, sink=learnable_sink,
+                             exact_lse=exact_lse, seqused_k=seqused_k))  # fmt: skip
+
+    monkeypatch.setattr(interface, "_check_device", lambda q, k, v: None)
+    monkeypatch.setattr(interface, "_kernels", types.SimpleNamespace(varlen_forward=varlen_forward))
+    return launches
+
+
+@pytest.mark.parametrize(
+    "causal,window,softcap,sink",
+    [
+        (False, (-1, -1), 0.0, False),
+        (True, (-1, -1), 0.0, False),
+        (False, (4, 2), 0.0, False),
+        (True, (6, -1), 0.0, False),
+        (False, (-1, -1), 5.0, True),
+        (True, (3, -1), 2.0, True),
+    ],
+)
+def test_matches_the_reference_per_sequence(cpu_kernel, causal, window, softcap, sink):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    sink_t = torch.linspace(-1, 1, 4) if sink else None
+    out, lse = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window, softcap=softcap,
+        learnable_sink=sink_t, return_lse=True,
+    )  # fmt: skip
+    ref_out, ref_lse = reference_varlen(
+        q, k, v, cu_q, cu_k, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_t
+    )
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (4, q.shape[0]) and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=1e-3)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
+    # The sequence with no keys (index 3): out 0, lse -inf, or the sink.
+    rows = slice(int(cu_q[3]), int(cu_q[4]))
+    assert torch.equal(out[rows], torch.zeros_like(out[rows]))
+    expected = sink_t[:, None] if sink else torch.tensor(-math.inf)
+    assert torch.equal(lse[:, rows], expected.expand_as(lse[:, rows]))
+    (launch,) = cpu_kernel
+    assert launch["exact_lse"] is True
+
+
+def test_window_sides_are_resolved_on_the_longest_sequences(cpu_kernel):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    # left >= max_seqlen_k - 1 = 29 and right >= max_seqlen_q - 1 = 16: no window at all.
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(29, 16))
+    assert cpu_kernel[-1]["window"] is None and cpu_kernel[-1]["causal"] is False
+    # A right limit 0 is causal's mask.
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(5, 0))
+    assert cpu_kernel[-1]["causal"] is True and cpu_kernel[-1]["window"] == (5, -1)
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(28, 16))
+    assert cpu_kernel[-1]["window"] == (28, -1)
+
+
+def test_seqused_k_reaches_the_kernel(cpu_kernel):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    used = torch.tensor([7, 1, 10, 0, 25], dtype=torch.int32)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k=used, return_lse=True)
+    ref_out, ref_lse = reference_varlen(q, k, v, cu_q, cu_k, seqused_k=used)
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=1e-3)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
+    assert cpu_kernel[0]["seqused_k"] is used
+
+
+@pytest.mark.parametrize("lengths_q,lengths_k", [([0, 0], [3, 4]), ([2, 3], [0, 0])], ids=["no-q", "no-k"])
+def test_empty_sides_launch_nothing(cpu_kernel, lengths_q, lengths_k):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lengths_q, lengths_k)
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, learnable_sink=sink, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(lse, sink[:, None].expand_as(lse))
+    assert cpu_kernel == []
+
+
+def test_head_dims_must_be_supported_and_equal(cpu_kernel):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(head_dim=64)
+    with pytest.raises(
+        ValueError, match=r"head_dim must be one of \(64, 128, 256\).*64 \(q, k\) and 32 \(v\)"
+    ):
+        flash_attn_varlen_func(q, k, v[..., :32], cu_q, cu_k, max_q, max_k)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(head_dim=96)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(softmax_scale=-1.0), ValueError, "softmax_scale must be finite and > 0"),
+        (dict(causal=1), TypeError, "causal must be a bool"),
+        (dict(window_size=(-3, 0)), ValueError, "window_size left must be >= -1"),
+        (dict(softcap=-0.5), ValueError, "softcap must be a finite float >= 0"),
+        (dict(learnable_sink=torch.zeros(2)), ValueError, r"learnable_sink must have shape \(heads,\)"),
+    ],
+    ids=["scale", "causal", "window", "softcap", "sink"],
+)
+def test_the_shared_rules_apply(cpu_kernel, kwargs, error, match):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    with pytest.raises(error, match=match):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    assert cpu_kernel == []
+
+
+def test_bad_offsets_are_refused_before_any_launch(cpu_kernel):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        flash_attn_varlen_func(q, k, v, cu_q + 1, cu_k, max_q, max_k)
+    with pytest.raises(ValueError, match="max_seqlen_k must be >= the longest k sequence"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k - 1)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k.long(), max_q, max_k)
+    assert cpu_kernel == []
+
+
+def test_inputs_requiring_grad_are_refused(cpu_kernel):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    with pytest.raises(RuntimeError, match="no backward pass yet"):
+        flash_attn_varlen_func(q.requires_grad_(), k, v, cu_q, cu_k, max_q, max_k)
+    with torch.no_grad():
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+    assert len(cpu_kernel) == 1
+
+
+def test_torch_compile_traces_the_op(cpu_kernel):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    compiled = torch.compile(
+        lambda q, k, v, cu_q, cu_k: flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal=True, window_size=(4, -1), return_lse=True
+        ),
+        backend="aot_eager",
+    )
+    out, lse = compiled(q, k, v, cu_q, cu_k)
+    ref_out, ref_lse = reference_varlen(q, k, v, cu_q, cu_k, causal=True, window_size=(4, -1))
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=1e-3)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
+    assert cpu_kernel[-1]["window"] == (4, -1)
