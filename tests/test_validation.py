@@ -39,7 +39,7 @@ def cpu_kernel(monkeypatch):
             assert t.stride(-1) == 1
             assert all(s > 0 and s % 8 == 0 for s in t.stride()[:-1])
             assert t.data_ptr() % 16 == 0
-        assert out.shape == q.shape and out.dtype == q.dtype
+        assert out.shape == q.shape[:3] + v.shape[3:] and out.dtype == q.dtype
         assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
         extra = {}
         if features is not None:
@@ -103,7 +103,8 @@ def test_batch_equal():
 def test_k_v_shapes_equal():
     q, k, v = qkv(seqlen_k=7)
     with pytest.raises(
-        ValueError, match=r"k and v must have the same shape.*\(2, 7, 2, 64\) and \(2, 6, 2, 64\)"
+        ValueError,
+        match=r"k and v must have the same \(batch, seqlen_k, kv_heads\).*\(2, 7, 2, 64\) and \(2, 6, 2, 6",
     ):
         flash_attn_func(q, k, v[:, :6])
 
@@ -111,7 +112,7 @@ def test_k_v_shapes_equal():
 def test_head_dim_equal():
     q, _, _ = qkv(head_dim=64)
     _, k, v = qkv(head_dim=128)
-    with pytest.raises(ValueError, match=r"same head_dim, got 64 and 128"):
+    with pytest.raises(ValueError, match=r"q and k must have the same head_dim, got 64 and 128"):
         flash_attn_func(q, k, v)
 
 
@@ -121,10 +122,49 @@ def test_heads_multiple_of_kv_heads():
         flash_attn_func(q, k, v)
 
 
-def test_head_dim_supported():
-    q, k, v = qkv(head_dim=96)
-    with pytest.raises(ValueError, match=r"head_dim must be one of \(64, 128, 256\), got 96"):
+@pytest.mark.parametrize(
+    "head_dim,head_dim_v,match",
+    [
+        (100, 100, r"head_dim must be a multiple of 8 in \[8, 256\], got 100"),
+        (264, 264, r"head_dim must be a multiple of 8 in \[8, 256\], got 264"),
+        (64, 12, r"head_dim_v must be a multiple of 8 in \[8, 256\], got 12"),
+        (128, 192, r"head_dim_v \(v's\) must be <= head_dim \(q's and k's\), got 192 > 128"),
+    ],
+)
+def test_head_dims_supported(head_dim, head_dim_v, match):
+    q, k, _ = qkv(head_dim=head_dim)
+    v = qkv(head_dim=head_dim_v)[2]
+    with pytest.raises(ValueError, match=match):
         flash_attn_func(q, k, v)
+
+
+def test_paper_variant_head_dims():
+    for d, dv in ((96, 96), (128, 64)):
+        q, k, _ = qkv(head_dim=d)
+        v = qkv(head_dim=dv)[2]
+        with pytest.raises(ValueError, match=r"the paper variant's head dims are \(64, 128, 256\)"):
+            flash_attn_func(q, k, v, variant="paper")
+
+
+@pytest.mark.parametrize(
+    "head_dim,head_dim_v,kernel_dims",
+    [(96, 96, (96, 96)), (192, 128, (192, 128)), (192, 192, (192, 192)), (80, 80, (96, 96)),
+     (48, 32, (64, 64)), (256, 128, (256, 256)), (8, 8, (64, 64)), (160, 96, (192, 128))],
+)  # fmt: skip
+def test_other_head_dims_run_the_ws_kernel_of_their_padded_dims(
+    cpu_kernel, head_dim, head_dim_v, kernel_dims
+):
+    q, k, _ = qkv(head_dim=head_dim)
+    v = qkv(head_dim=head_dim_v)[2]
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (2, 5, 4, head_dim_v) and out.is_contiguous()
+    ref_out, ref_lse = reference(q, k, v, causal=True)
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=1e-3)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
+    cfg = cpu_kernel[0]["cfg"]
+    assert cfg.variant == "ws" and cfg.head_dim == head_dim and cfg.value_dim == head_dim_v
+    assert cfg.kernel_dims == kernel_dims
+    assert config.kernel_head_dims(head_dim, head_dim_v) == kernel_dims
 
 
 @pytest.mark.parametrize("scale", [True, "0.1"])
@@ -594,7 +634,8 @@ def test_ws_switches_are_declared_everywhere():
     for name in config.WS_SWITCHES:
         assert (name in choice_fields) == (name not in config.WS_DERIVED_SWITCHES)
         assert KernelKey._field_defaults[name] == cfg_defaults[name] == kernel_params[name].default
-    assert KernelKey._fields[6:] == config.WS_SWITCHES  # from_config passes them in this order
+    # from_config passes them in this order, then v's head dim
+    assert KernelKey._fields[6:] == (*config.WS_SWITCHES, "head_dim_v")
     key = KernelKey.from_config("float16", False, config.select_config(128, "ws"))
     assert key.pin_pv_wait == config.WS_TILE_TABLE[128].pin_pv_wait > 0
 

@@ -42,7 +42,7 @@ def cpu_kernel(monkeypatch):
         seqused_k=None, *, exact_lse=True, window=None, softcap=0.0, learnable_sink=None,
     ):  # fmt: skip
         assert cfg.variant == "ws"
-        assert out.shape == q.shape and out.is_contiguous()
+        assert out.shape == q.shape[:2] + v.shape[2:] and out.is_contiguous()
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
         assert not (causal and window is not None and window[1] >= 0)
         o, l = reference_varlen(
@@ -127,15 +127,25 @@ def test_empty_sides_launch_nothing(cpu_kernel, lengths_q, lengths_k):
     assert cpu_kernel == []
 
 
-def test_head_dims_must_be_supported_and_equal(cpu_kernel):
+def test_head_dims_follow_the_rule(cpu_kernel):
     q, k, v, cu_q, cu_k, max_q, max_k = packed(head_dim=64)
-    with pytest.raises(
-        ValueError, match=r"head_dim must be one of \(64, 128, 256\).*64 \(q, k\) and 32 \(v\)"
-    ):
-        flash_attn_varlen_func(q, k, v[..., :32], cu_q, cu_k, max_q, max_k)
-    q, k, v, cu_q, cu_k, max_q, max_k = packed(head_dim=96)
-    with pytest.raises(ValueError, match="head_dim must be one of"):
+    with pytest.raises(ValueError, match=r"head_dim_v \(v's\) must be <= head_dim"):
+        flash_attn_varlen_func(q[..., :32], k[..., :32], v, cu_q, cu_k, max_q, max_k)
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(head_dim=100)
+    with pytest.raises(ValueError, match=r"head_dim must be a multiple of 8"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+    assert cpu_kernel == []
+
+
+def test_v_head_dim_may_be_smaller(cpu_kernel):
+    q, k, _, cu_q, cu_k, max_q, max_k = packed(head_dim=192)
+    v = packed(head_dim=128)[2]
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+    assert out.shape == (q.shape[0], 4, 128)
+    ref_out, ref_lse = reference_varlen(q, k, v, cu_q, cu_k, causal=True)
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=1e-3)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
+    assert cpu_kernel[0]["cfg"].kernel_dims == (192, 128)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
+# The paper kernel's head dims (q, k and v alike).
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# The ws kernel's head dims: q/k's head_dim any multiple of 8 up to 256, v's head_dim_v a multiple
+# of 8 up to head_dim. Each runs the kernel of the smallest pair of `WS_KERNEL_HEAD_DIMS` that
+# holds it (`kernel_head_dims`); the columns in between are padding that TMA fills with zeros
+# on loading and clips on storing, so nothing is copied (their cost is the MMAs on them).
+HEAD_DIM_MULTIPLE = 8
+MAX_HEAD_DIM = 256
+WS_KERNEL_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 VARIANTS = ("paper", "ws")
 DEFAULT_VARIANT = "ws"  # with an explicit tile; without one, `auto_variant` picks per problem
 # Key lengths up to which the paper kernel (one warpgroup per CTA, several CTAs per SM) beats the
@@ -62,6 +70,24 @@ PAPER_TILE_TABLE = {
 }
 
 
+def check_head_dims(head_dim: int, head_dim_v: int) -> None:
+    """Raise ValueError naming the head-dim rule that (head_dim, head_dim_v) breaks."""
+    for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        if d % HEAD_DIM_MULTIPLE or not HEAD_DIM_MULTIPLE <= d <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name} must be a multiple of {HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}], "
+                f"got {d}"
+            )
+    if head_dim_v > head_dim:
+        raise ValueError(f"head_dim_v (v's) must be <= head_dim (q's and k's), got {head_dim_v} > {head_dim}")
+
+
+def kernel_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """The ws kernel's (head_dim, head_dim_v) for data of these head dims: the smallest pair of
+    WS_KERNEL_HEAD_DIMS at least as large in both (`check_head_dims` holds)."""
+    return min((kd, kdv) for kd, kdv in WS_KERNEL_HEAD_DIMS if kd >= head_dim and kdv >= head_dim_v)
+
+
 def default_softmax_scale(head_dim: int) -> float:
     """1/sqrt(head_dim): the scale used whenever softmax_scale is None (the only place it is computed)."""
     return head_dim**-0.5
@@ -70,7 +96,7 @@ def default_softmax_scale(head_dim: int) -> float:
 @dataclass(frozen=True)
 class KernelConfig:
     variant: str
-    head_dim: int
+    head_dim: int  # q's and k's (the data's; the ws kernel may pad it: `kernel_dims`)
     tile_m: int
     tile_n: int
     num_threads: int = 128
@@ -92,10 +118,24 @@ class KernelConfig:
     # Packed variable-length sequences (WS_SWITCHES): set per launch (`kernels.varlen_key`).
     varlen: bool = False
     seqused_k: bool = False
+    # v's head dim where it differs from head_dim (0: the same).
+    head_dim_v: int = 0
 
     @property
     def tile(self) -> tuple[int, int]:
         return (self.tile_m, self.tile_n)
+
+    @property
+    def value_dim(self) -> int:
+        """v's head dim."""
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def kernel_dims(self) -> tuple[int, int]:
+        """The (head_dim, head_dim_v) the kernel computes with (ws: padded, `kernel_head_dims`)."""
+        if self.variant != "ws":
+            return (self.head_dim, self.head_dim)
+        return kernel_head_dims(self.head_dim, self.value_dim)
 
     def __post_init__(self):
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
@@ -169,9 +209,9 @@ def ws_reg_overhead(head_dim: int) -> int:
     return 28
 
 
-def ws_register_estimate(head_dim: int, tile_n: int) -> int:
+def ws_register_estimate(head_dim: int, tile_n: int, head_dim_v: int | None = None) -> int:
     """32-bit registers per consumer thread (64 rows per warpgroup): O, S and P live together."""
-    acc_o = 64 * head_dim // 128
+    acc_o = 64 * (head_dim_v or head_dim) // 128
     acc_s = 64 * tile_n // 128
     frag_p = 64 * tile_n // 256
     return acc_o + acc_s + frag_p + ws_reg_overhead(head_dim)
@@ -189,30 +229,39 @@ def ws_smem_bytes(
     elem_bytes: int = 2,
     mma_rowsum: bool = False,
     o_buffer: str = "q",
+    head_dim_v: int | None = None,
 ) -> int:
     """Bytes of the ws kernel's shared storage, as laid out (`kernels.sm90_ws`, which asserts the
     two agree at compile time): the mbarriers and the tile slot, then Q, O's buffer, the block of
     ones and num_stages K and V buffers, each 1 KiB-aligned. O's buffer by `o_buffer`: "own" (the
     whole tile), "split" (64 rows x min(d, 128) columns per consumer warpgroup), "q" (none: O goes
     out through Q's; its empty slot still takes 1 KiB). Without mma_rowsum the ones' slot is empty
-    and takes 1 KiB too."""
+    and takes 1 KiB too. head_dim_v (None: head_dim) sizes V and O."""
 
     def slot(n: int) -> int:  # 1 KiB-aligned; an empty slot holds a 16-byte placeholder
         return -(-max(n, 16) // 1024) * 1024
 
-    o_rows_cols = {"own": tile_m * head_dim, "split": tile_m * min(head_dim, 128), "q": 0}[o_buffer]
+    dv = head_dim_v or head_dim
+    o_rows_cols = {"own": tile_m * dv, "split": tile_m * min(dv, 128), "q": 0}[o_buffer]
     ones = ROWSUM_COLS * tile_n * elem_bytes if mma_rowsum else 0
     return (
         1024
         + slot(tile_m * head_dim * elem_bytes)
         + slot(o_rows_cols * elem_bytes)
         + slot(ones)
-        + 2 * slot(num_stages * tile_n * head_dim * elem_bytes)
+        + slot(num_stages * tile_n * head_dim * elem_bytes)
+        + slot(num_stages * tile_n * dv * elem_bytes)
     )
 
 
 def ws_o_buffer(
-    head_dim: int, tile_m: int, tile_n: int, num_stages: int, elem_bytes: int = 2, mma_rowsum: bool = False
+    head_dim: int,
+    tile_m: int,
+    tile_n: int,
+    num_stages: int,
+    elem_bytes: int = 2,
+    mma_rowsum: bool = False,
+    head_dim_v: int | None = None,
 ) -> str:
     """Where the ws kernel's O goes out through shared memory (`kernels.sm90_ws.WsFwdSm90` decides
     by this too): "own", a whole O buffer beside Q, K and V, so Q's buffer is free after the tile's
@@ -221,13 +270,22 @@ def ws_o_buffer(
     TMA store to read it.
     """
     for o_buffer in ("own", "split"):
-        smem = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, elem_bytes, mma_rowsum, o_buffer)
+        smem = ws_smem_bytes(
+            head_dim, tile_m, tile_n, num_stages, elem_bytes, mma_rowsum, o_buffer, head_dim_v
+        )
         if smem <= SMEM_CAPACITY_BYTES:
             return o_buffer
     return "q"
 
 
-def ws_split_o(head_dim: int, tile_m: int, tile_n: int, num_stages: int, mma_rowsum: bool = False) -> bool:
+def ws_split_o(
+    head_dim: int,
+    tile_m: int,
+    tile_n: int,
+    num_stages: int,
+    mma_rowsum: bool = False,
+    head_dim_v: int | None = None,
+) -> bool:
     """The `split_o` switch `select_config` sets: O through per-warpgroup buffers exactly where a
     whole O buffer does not fit and those do (`ws_o_buffer`).
 
@@ -235,11 +293,19 @@ def ws_split_o(head_dim: int, tile_m: int, tile_n: int, num_stages: int, mma_row
     per-warpgroup buffers; NOTES "ws v6"): N = 512 non-causal 0.150 -> 0.143, causal 0.114 ->
     0.108; N = 1024 causal 0.166 -> 0.160; N = 2048 causal 0.275 -> 0.269.
     """
-    return ws_o_buffer(head_dim, tile_m, tile_n, num_stages, mma_rowsum=mma_rowsum) == "split"
+    return (
+        ws_o_buffer(head_dim, tile_m, tile_n, num_stages, mma_rowsum=mma_rowsum, head_dim_v=head_dim_v)
+        == "split"
+    )
 
 
 def check_fits_ws(
-    head_dim: int, tile_m: int, tile_n: int, num_stages: int = 2, mma_rowsum: bool = False
+    head_dim: int,
+    tile_m: int,
+    tile_n: int,
+    num_stages: int = 2,
+    mma_rowsum: bool = False,
+    head_dim_v: int | None = None,
 ) -> None:
     """Raise ValueError naming the rule a ws-variant config breaks."""
     if tile_m not in WS_TILE_M:
@@ -251,16 +317,18 @@ def check_fits_ws(
             f"ws tile_n must be a multiple of 16 (the K step of GEMM-II) in [16, {WS_MAX_TILE_N}], "
             f"got {tile_n}"
         )
-    regs = ws_register_estimate(head_dim, tile_n)
+    dv = head_dim_v or head_dim
+    regs = ws_register_estimate(head_dim, tile_n, dv)
     budget = WS_CONSUMER_REGS[tile_m]
     if regs > budget:
         raise ValueError(
             f"ws tile {tile_m}x{tile_n} at head_dim={head_dim} needs about {regs} registers per consumer "
-            f"thread (O {head_dim // 2} + S {tile_n // 2} + P {tile_n // 4} + {ws_reg_overhead(head_dim)} "
+            f"thread (O {dv // 2} + S {tile_n // 2} + P {tile_n // 4} + {ws_reg_overhead(head_dim)} "
             f"overhead) but tile_m={tile_m} gives consumers {budget}: it would spill. Use a smaller tile_n"
             + (" or tile_m=128." if tile_m != 128 else ".")
         )
-    smem = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, mma_rowsum=mma_rowsum)
+    # O's buffer: the smallest that fits (`ws_o_buffer`); Q's ("q") always exists.
+    smem = ws_smem_bytes(head_dim, tile_m, tile_n, num_stages, mma_rowsum=mma_rowsum, head_dim_v=dv)
     if smem > SMEM_CAPACITY_BYTES:
         ones = " and the row-sum block of ones" if mma_rowsum else ""
         raise ValueError(
@@ -386,7 +454,51 @@ WS_TILE_TABLE = {
         causal_trim=True,
         release_q_at_qk=True,
     ),
+    # Not yet measured (no GPU run since they were added; NOTES "v18"): d = 96 as d = 128 (O and
+    # S take 48 + 64 registers, far inside the budget); d = 192 at FlashAttention-4's tile_n for
+    # dv = 192 (112: two K and two V stages of 192 columns fit beside Q, O through Q's buffer), no
+    # pingpong and O rescaled early above d = 128, as at d = 256.
+    96: WsChoice(
+        (128, 128),
+        num_stages=2,
+        intra_wg_overlap=True,
+        pingpong=True,
+        pin_pv_wait=24,
+        cluster_m=2,
+        release_q_at_qk=True,
+    ),
+    192: WsChoice(
+        (128, 112),
+        num_stages=2,
+        intra_wg_overlap=True,
+        pingpong=False,
+        rescale_o_early=True,
+        cluster_m=2,
+        release_q_at_qk=True,
+    ),
 }
+
+
+# Kernels whose v head dim differs from q's, by (head_dim, head_dim_v); not yet measured either.
+# DeepSeek's 192/128 at 128x112, which leaves room for O's own buffer (at 128x128, FlashAttention-4's
+# tile, O would have to go out through Q's); O is as small as at d = 128: no early rescale.
+WS_TILE_TABLE_DV = {
+    (192, 128): WsChoice(
+        (128, 112),
+        num_stages=2,
+        intra_wg_overlap=True,
+        pingpong=False,
+        cluster_m=2,
+        release_q_at_qk=True,
+    ),
+}
+
+
+def ws_choice(head_dim: int, head_dim_v: int) -> WsChoice:
+    """The table's choice for the ws kernel of these (kernel) head dims."""
+    if head_dim_v != head_dim:
+        return WS_TILE_TABLE_DV[(head_dim, head_dim_v)]
+    return WS_TILE_TABLE[head_dim]
 
 
 # ws tiles that beat the table's on short problems: (head dim, causal) -> (max seqlen_k, tile).
@@ -459,7 +571,8 @@ def launch_config(cfg: KernelConfig, causal: bool, seqlen_q: int, *, exact_lse: 
 @lru_cache(maxsize=64)
 def _fp32_rowsum(cfg: KernelConfig) -> KernelConfig:
     """cfg with P's row sums taken in fp32 by the softmax (no block of ones in shared memory)."""
-    split_o = ws_split_o(cfg.head_dim, cfg.tile_m, cfg.tile_n, cfg.num_stages, mma_rowsum=False)
+    kd, kdv = cfg.kernel_dims
+    split_o = ws_split_o(kd, cfg.tile_m, cfg.tile_n, cfg.num_stages, mma_rowsum=False, head_dim_v=kdv)
     return replace(cfg, mma_rowsum=False, split_o=split_o)
 
 
@@ -473,7 +586,7 @@ WS_CAUSAL_SWITCHES = {64: {"pin_pv_wait": 0, "mma_rowsum": False}}
 @lru_cache(maxsize=64)
 def _unpaired(cfg: KernelConfig, causal: bool) -> KernelConfig:
     """cfg without CTA pairs and, causal, with the causal switches of its head dim."""
-    extra = WS_CAUSAL_SWITCHES.get(cfg.head_dim, {}) if causal else {}
+    extra = WS_CAUSAL_SWITCHES.get(cfg.kernel_dims[0], {}) if causal else {}
     return replace(cfg, cluster_m=1, **extra)
 
 
@@ -492,32 +605,49 @@ AUTO_SEQLEN_K_CAP = 1 + max(
 
 
 @lru_cache(maxsize=4096)
-def auto_config(head_dim: int, causal: bool, seqlen_k: int) -> KernelConfig:
+def auto_config(head_dim: int, causal: bool, seqlen_k: int, head_dim_v: int | None = None) -> KernelConfig:
     """The config `flash_attn_func` runs when neither variant nor tile is given (seqlen_k may be
-    capped at AUTO_SEQLEN_K_CAP: the choice is the same above it)."""
+    capped at AUTO_SEQLEN_K_CAP: the choice is the same above it). v's head dim other than q's
+    (head_dim_v) runs the ws kernel."""
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return select_config(head_dim, "ws", auto_tile("ws", head_dim, causal, seqlen_k), head_dim_v)
     variant = auto_variant(head_dim, causal, seqlen_k)
     return select_config(head_dim, variant, auto_tile(variant, head_dim, causal, seqlen_k))
 
 
 @lru_cache(maxsize=256)
 def select_config(
-    head_dim: int, variant: str = DEFAULT_VARIANT, tile: tuple[int, int] | None = None
+    head_dim: int,
+    variant: str = DEFAULT_VARIANT,
+    tile: tuple[int, int] | None = None,
+    head_dim_v: int | None = None,
 ) -> KernelConfig:
-    """The kernel configuration for a head dim, from the table or an explicit `tile` override."""
+    """The kernel configuration for data of these head dims (head_dim_v None: head_dim), from the
+    table or an explicit `tile` override. The ws kernel runs the table's choice of its padded
+    head dims (`kernel_head_dims`); the paper kernel only 64, 128, 256 for q, k and v alike."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if variant == "paper" and (head_dim not in SUPPORTED_HEAD_DIMS or dv != head_dim):
+        raise ValueError(
+            f"the paper variant's head dims are {SUPPORTED_HEAD_DIMS}, the same for q, k and v; got "
+            f"head_dim={head_dim}, head_dim_v={dv} (the ws variant runs any multiple of 8 up to 256)"
+        )
+    check_head_dims(head_dim, dv)
     if tile is not None and (len(tile) != 2 or not all(isinstance(t, int) for t in tile)):
         raise ValueError(f"tile must be a pair of ints (tile_m, tile_n), got {tile!r}")
     if variant == "ws":
-        choice = WS_TILE_TABLE[head_dim]
+        kd, kdv = kernel_head_dims(head_dim, dv)
+        choice = ws_choice(kd, kdv)
         tile = choice.tile if tile is None else tile
-        check_fits_ws(head_dim, *tile, num_stages=choice.num_stages, mma_rowsum=choice.mma_rowsum)
+        check_fits_ws(kd, *tile, num_stages=choice.num_stages, mma_rowsum=choice.mma_rowsum, head_dim_v=kdv)
         switches = {name: getattr(choice, name) for name in WS_SWITCHES if name not in WS_DERIVED_SWITCHES}
         # Q's buffer can be released after the last GEMM-I only where O does not leave through it
         # (the kernel ignores the switch there), so the config and its kernel key say so too.
-        if ws_o_buffer(head_dim, tile[0], tile[1], choice.num_stages, mma_rowsum=choice.mma_rowsum) == "q":
+        o_buffer = ws_o_buffer(
+            kd, tile[0], tile[1], choice.num_stages, mma_rowsum=choice.mma_rowsum, head_dim_v=kdv
+        )
+        if o_buffer == "q":
             switches["release_q_at_qk"] = False
         return KernelConfig(
             variant=variant,
@@ -526,7 +656,8 @@ def select_config(
             tile_n=tile[1],
             num_threads=128 * (1 + tile[0] // 64),
             **switches,
-            split_o=ws_split_o(head_dim, tile[0], tile[1], choice.num_stages, choice.mma_rowsum),
+            split_o=ws_split_o(kd, tile[0], tile[1], choice.num_stages, choice.mma_rowsum, kdv),
+            head_dim_v=0 if dv == head_dim else dv,
         )
     if tile is None:
         tile = PAPER_TILE_TABLE[head_dim]

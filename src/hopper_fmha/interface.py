@@ -80,7 +80,7 @@ def flash_attn_func(
     if softcap or learnable_sink is not None or window_size != (-1, -1):
         features, causal, feature_cfg = _score_features(
             q.shape[1], k.shape[1], q.shape[2], q.shape[3], causal, window_size, softcap, learnable_sink,
-            variant, tile,
+            variant, tile, None if v.shape[3] == q.shape[3] else v.shape[3],
         )  # fmt: skip
         cfg = feature_cfg or cfg
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
@@ -146,20 +146,17 @@ def flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
         check_values=varlen_args.varlen_values_checkable(),
     )  # fmt: skip
-    if shape.head_dim_v != shape.head_dim or shape.head_dim not in config.SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"head_dim must be one of {config.SUPPORTED_HEAD_DIMS} for q, k and v alike, got "
-            f"{shape.head_dim} (q, k) and {shape.head_dim_v} (v)"
-        )
+    config.check_head_dims(shape.head_dim, shape.head_dim_v)
+    head_dim_v = None if shape.head_dim_v == shape.head_dim else shape.head_dim_v
     scale = _check_scale(softmax_scale, shape.head_dim)
     if causal is not True and causal is not False:
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     features, causal, cfg = _score_features(
         shape.max_seqlen_q, shape.max_seqlen_k, shape.heads, shape.head_dim, causal, window_size, softcap,
-        learnable_sink, "ws", tile,
+        learnable_sink, "ws", tile, head_dim_v,
     )  # fmt: skip
     if cfg is None:  # no score feature: the ws kernel's config at the longest key sequence
-        cfg = _select(shape.head_dim, causal, shape.max_seqlen_k, "ws", tile, _selector())
+        cfg = _select(shape.head_dim, causal, shape.max_seqlen_k, "ws", tile, _selector(), head_dim_v)
     if _grad_needed(q, k, v, learnable_sink):
         raise RuntimeError(_NO_BACKWARD)
     _check_device(q, k, v)
@@ -205,7 +202,17 @@ class ScoreFeatures(NamedTuple):
 
 
 def _score_features(
-    seqlen_q, seqlen_k, heads, head_dim, causal, window_size, softcap, learnable_sink, variant, tile
+    seqlen_q,
+    seqlen_k,
+    heads,
+    head_dim,
+    causal,
+    window_size,
+    softcap,
+    learnable_sink,
+    variant,
+    tile,
+    head_dim_v=None,
 ):
     """(features or None, causal, config or None: unchanged) for a call that names a window,
     softcap or sink. seqlen_q/k: the (longest) sequences' lengths.
@@ -236,7 +243,11 @@ def _score_features(
         variant = "ws"
     elif feature_causal == causal:
         return None, causal, None  # nothing changes: the config of `_validate`
-    return features, feature_causal, _select(head_dim, feature_causal, seqlen_k, variant, tile, _selector())
+    return (
+        features,
+        feature_causal,
+        _select(head_dim, feature_causal, seqlen_k, variant, tile, _selector(), head_dim_v),
+    )
 
 
 def _selector():
@@ -285,6 +296,7 @@ def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, con
     batch, _, heads, head_dim = q.shape
     k_shape = k.shape
     kv_heads = k_shape[2]
+    head_dim_v = None  # v's head dim where it differs from q's
     if not (
         k_shape == v.shape
         and k_shape[0] == batch
@@ -294,15 +306,18 @@ def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, con
         and head_dim in config.SUPPORTED_HEAD_DIMS
     ):
         _tensor_rules(q, k, v)
+        if v.shape[3] != head_dim:
+            head_dim_v = v.shape[3]
     scale = _check_scale(softmax_scale, head_dim)
     if causal is not True and causal is not False:
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if torch.compiler.is_compiling():
         # Dynamo traces through lru_cache anyway and warns about it on every compile.
-        return scale, _select_uncached(head_dim, causal, k_shape[1], variant, tile)
+        return scale, _select(head_dim, causal, k_shape[1], variant, tile, _selector(), head_dim_v)
     if variant is None and tile is None:
-        return scale, config.auto_config(head_dim, causal, min(k_shape[1], config.AUTO_SEQLEN_K_CAP))
-    return scale, _select(head_dim, causal, k_shape[1], variant, tile, config.select_config)
+        seqlen_k = min(k_shape[1], config.AUTO_SEQLEN_K_CAP)
+        return scale, config.auto_config(head_dim, causal, seqlen_k, head_dim_v)
+    return scale, _select(head_dim, causal, k_shape[1], variant, tile, config.select_config, head_dim_v)
 
 
 def _check_scale(softmax_scale, head_dim: int) -> float:
@@ -318,14 +333,13 @@ def _check_scale(softmax_scale, head_dim: int) -> float:
     return scale
 
 
-def _select_uncached(head_dim, causal, seqlen_k, variant, tile):
-    return _select(head_dim, causal, seqlen_k, variant, tile, config.select_config.__wrapped__)
-
-
-def _select(head_dim, causal, seqlen_k, variant, tile, select):
-    """The config for an explicit variant and/or tile (or none), through `select`."""
+def _select(head_dim, causal, seqlen_k, variant, tile, select, head_dim_v=None):
+    """The config for an explicit variant and/or tile (or none), through `select`; head_dim_v:
+    v's head dim where it differs from q's (the ws variant's)."""
     if variant is None:
-        variant = config.auto_variant(head_dim, causal, seqlen_k) if tile is None else config.DEFAULT_VARIANT
+        variant = config.DEFAULT_VARIANT
+        if tile is None and head_dim_v is None:
+            variant = config.auto_variant(head_dim, causal, seqlen_k)
     elif not isinstance(variant, str):
         raise ValueError(f"variant must be one of {config.VARIANTS}, got {variant!r}")
     if tile is not None:
@@ -334,7 +348,7 @@ def _select(head_dim, causal, seqlen_k, variant, tile, select):
         tile = tuple(tile)
     else:
         tile = config.auto_tile(variant, head_dim, causal, seqlen_k)
-    return select(head_dim, variant, tile)
+    return select(head_dim, variant, tile, head_dim_v)
 
 
 def _tensor_rules(q, k, v) -> None:
@@ -353,20 +367,19 @@ def _tensor_rules(q, k, v) -> None:
     batch, _, heads, head_dim = q.shape
     if k.shape[0] != batch or v.shape[0] != batch:
         raise ValueError(f"q, k, v must have the same batch size, got {batch}, {k.shape[0]}, {v.shape[0]}")
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"k and v must have the same shape (batch, seqlen_k, kv_heads, head_dim), "
+            f"k and v must have the same (batch, seqlen_k, kv_heads), "
             f"got {tuple(k.shape)} and {tuple(v.shape)}"
         )
     if k.shape[3] != head_dim:
-        raise ValueError(f"q and k/v must have the same head_dim, got {head_dim} and {k.shape[3]}")
+        raise ValueError(f"q and k must have the same head_dim, got {head_dim} and {k.shape[3]}")
     kv_heads = k.shape[2]
     if (kv_heads == 0 and heads != 0) or (kv_heads != 0 and heads % kv_heads != 0):
         raise ValueError(
             f"heads of q must be a multiple of the kv heads of k/v, got heads={heads}, kv_heads={kv_heads}"
         )
-    if head_dim not in config.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {config.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    config.check_head_dims(head_dim, v.shape[3])
 
 
 def _check_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -439,12 +452,15 @@ def _launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse, features=N
 _kernels = None
 
 
-def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, seqlen_q, heads, _ = q.shape
+def _empty_outputs(q: torch.Tensor, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seqlen_q, heads, head_dim = q.shape
     # Contiguous whatever q's strides: the fake implementation cannot see data_ptr alignment,
     # so out's layout must not depend on whether q gets copied. (empty_like takes 60% of the host
     # time of torch.empty with a shape, dtype and device to parse.)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if head_dim_v == head_dim:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        out = torch.empty((batch, seqlen_q, heads, head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     return out, lse
 
@@ -452,7 +468,7 @@ def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _fwd_impl(
     q, k, v, softmax_scale: float, causal: bool, cfg, return_lse: bool, features: ScoreFeatures | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _empty_outputs(q)
+    out, lse = _empty_outputs(q, v.shape[3])
     if out.numel() == 0:
         return out, lse
     if k.shape[1] == 0:
@@ -481,7 +497,8 @@ def _fwd(
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = config.select_config(q.shape[3], variant, (tile_m, tile_n))
+    dv = v.shape[3]
+    cfg = config.select_config(q.shape[3], variant, (tile_m, tile_n), None if dv == q.shape[3] else dv)
     features = None
     if window_left >= 0 or window_right >= 0 or softcap or learnable_sink is not None:
         features = ScoreFeatures(window_left, window_right, softcap, learnable_sink)
@@ -490,11 +507,11 @@ def _fwd(
 
 @_fwd.register_fake
 def _(q, k, v, softmax_scale, causal, variant, tile_m, tile_n, return_lse, *features):
-    return _empty_outputs(q)
+    return _empty_outputs(q, v.shape[3])
 
 
-def _varlen_empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+def _varlen_empty_outputs(q: torch.Tensor, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty((q.shape[0], q.shape[1], head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     return out, lse
 
@@ -503,7 +520,7 @@ def _varlen_fwd_impl(
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, cfg,
     return_lse, features,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    out, lse = _varlen_empty_outputs(q)
+    out, lse = _varlen_empty_outputs(q, v.shape[2])
     if out.numel() == 0 or max_seqlen_q == 0:
         return out, lse
     if k.shape[0] == 0 or max_seqlen_k == 0:
@@ -545,7 +562,8 @@ def _varlen_fwd(
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    cfg = config.select_config(q.shape[2], "ws", (tile_m, tile_n))
+    dv = v.shape[2]
+    cfg = config.select_config(q.shape[2], "ws", (tile_m, tile_n), None if dv == q.shape[2] else dv)
     features = None
     if window_left >= 0 or window_right >= 0 or softcap or learnable_sink is not None:
         features = ScoreFeatures(window_left, window_right, softcap, learnable_sink)
@@ -556,5 +574,5 @@ def _varlen_fwd(
 
 
 @_varlen_fwd.register_fake
-def _(q, *args):
-    return _varlen_empty_outputs(q)
+def _(q, k, v, *args):
+    return _varlen_empty_outputs(q, v.shape[2])

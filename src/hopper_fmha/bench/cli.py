@@ -36,11 +36,16 @@ presets:
           this package only; with --variant ws, the ws variant's candidate tiles instead
   host    tiny problems (B=1 N=128, d 64/128, causal off/on, bf16): eager calls time the host
           path; with --profile, each stage of ours alone (4 problems)
+  varlen  packed batches: 24 sequences of 256..4096 tokens (uniform, fixed seed), H 32/8, bf16,
+          d 64/128, causal off/on, each with its dense twin (B=24, N = RMS length); backends
+          hopper-fmha:auto, fa4, hopper-fmha:padded; reports ours ÷ FA4 and ÷ dense twin (8 problems)
 
 backends (--backends, comma separated): hopper-fmha (every variant), hopper-fmha:<variant>,
   hopper-fmha:<variant>@<M>x<N>, a "+lse" suffix (return_lse=True), sdpa-flash (FA2),
-  sdpa-efficient (CUTLASS mem-eff), sdpa-cudnn, fa4, fa3. Default: hopper-fmha, sdpa-flash,
-  sdpa-efficient, sdpa-cudnn, fa4, fa3.
+  sdpa-efficient (CUTLASS mem-eff), sdpa-cudnn, fa4, fa3, hopper-fmha:padded (varlen problems
+  only: our dense kernel on the zero-padded batch). Default: hopper-fmha, sdpa-flash,
+  sdpa-efficient, sdpa-cudnn, fa4, fa3. On varlen problems only ours (auto, ws), fa4 and
+  hopper-fmha:padded run; the others are reported as skipped.
 
 timing: per problem every backend is checked, warmed up and captured, then the GPU is pre-heated
   (0.3 s of matmuls) and all backends are timed in --rounds interleaved rounds (eager and graph

@@ -31,8 +31,11 @@ def _figure(width: float, height: float):
 
 
 def _x_label(p, panel) -> str:
-    """Name a problem by what varies inside its panel: N, and B or heads when those vary too."""
+    """Name a problem by what varies inside its panel: N, and B or heads when those vary too; a
+    varlen problem by its range of lengths."""
     label = f"{p.seqlen_q}" if p.seqlen_q == p.seqlen_k else f"{p.seqlen_q}/{p.seqlen_k}"
+    if p.seqlens is not None:
+        label = f"varlen {min(p.seqlens)}-{p.seqlen_q}"
     if len({q.batch for q in panel}) > 1 and len({q.seqlen_q for q in panel}) == 1:
         label = f"B{p.batch} " + label
     if len({(q.heads, q.kv_heads) for q in panel}) > 1:

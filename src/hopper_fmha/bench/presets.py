@@ -9,11 +9,25 @@ tiles: the seed paper's Table 1: the paper variant at every tile of PAPER_TILES 
        dim, paper shape, non-causal fp16, this package only (tiles that do not fit are reported
        as rejected). `tiles("ws")` (`--preset tiles --variant ws`) sweeps the ws variant's
        candidate tiles instead (preset name "tiles-ws").
+varlen: packed batches of mixed lengths: 24 sequences, lengths drawn uniformly from the integers
+       256..4096 (`random.Random(0).randint`, the same on every machine: `varlen_lengths`), queries
+       and keys alike, bf16, 32 q heads / 8 kv heads, d = 64 and 128, causal off and on; each
+       followed by its dense twin (`dense_twin`). Backends: ours (`hopper-fmha:auto`, which runs
+       `flash_attn_varlen_func` on them), FA4's varlen, and `hopper-fmha:padded` (our dense kernel
+       on the batch zero-padded to the longest sequence: the number before varlen). FLOPs are
+       counted per sequence (sum of 4·H·L²·d, halved for causal), for the padded call too.
+       The dense twin of a varlen problem: batch = its number of sequences, N = the root mean
+       square of its lengths rounded to a multiple of 128 (so about the same FLOPs, N² ≈ mean
+       L², and tokens), the same heads, d, dtype and causal. The report gives, per varlen
+       problem, ours ÷ FA4 (target ≥ 1.0) and ours on it ÷ the same backend on its twin
+       (target ≥ 0.95: varlen costs at most 5% over a dense batch of the same work).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 from dataclasses import dataclass
 
 from hopper_fmha.bench.registry import Problem
@@ -78,7 +92,38 @@ def host() -> Preset:
     return Preset("host", tuple(problems))
 
 
-PRESETS = {"paper": paper, "sweep": sweep, "tiles": tiles, "host": host}
+VARLEN_SEQUENCES = 24
+VARLEN_LENGTHS = (256, 4096)
+VARLEN_SEED = 0
+
+
+def varlen_lengths(
+    count: int = VARLEN_SEQUENCES, lengths: tuple[int, int] = VARLEN_LENGTHS, seed: int = VARLEN_SEED
+) -> tuple[int, ...]:
+    """`count` lengths drawn uniformly from the integers lengths[0]..lengths[1], from Python's own
+    generator (not torch's), so that every machine draws the same."""
+    rng = random.Random(seed)
+    return tuple(rng.randint(*lengths) for _ in range(count))
+
+
+def dense_twin(p: Problem) -> Problem:
+    """The dense problem a varlen one is compared with (module docstring)."""
+    rms = math.sqrt(sum(n * n for n in p.seqlens) / len(p.seqlens))
+    n = max(128, round(rms / 128) * 128)
+    return Problem(p.batch, n, n, p.heads, p.kv_heads, p.head_dim, p.causal, p.dtype)
+
+
+def varlen() -> Preset:
+    lens = varlen_lengths()
+    problems = []
+    for d in (128, 64):
+        for causal in (False, True):
+            p = Problem.varlen(lens, 32, 8, d, causal, "bfloat16")
+            problems += [p, dense_twin(p)]
+    return Preset("varlen", tuple(problems), ("hopper-fmha:auto", "fa4", "hopper-fmha:padded"))
+
+
+PRESETS = {"paper": paper, "sweep": sweep, "tiles": tiles, "host": host, "varlen": varlen}
 
 
 def get_preset(name: str) -> Preset:

@@ -6,6 +6,11 @@ on any machine (`hopper-fmha bench --from-json FILE`).
 Ratios between backends (÷FA2, ÷best peer, the summary) use the "primary" time: the CUDA-graph
 time (kernel time) where the backend was captured, else the eager time, marked "(e)". Eager
 times include host overhead and have their own table and ratio column.
+
+A run with varlen problems (the `varlen` preset) also has the varlen table: per varlen problem and
+backend of ours, its rate, FA4's on the same problem, our dense twin's (`presets.dense_twin`, the
+same backend, found among the run's problems) and the padded call's (`hopper-fmha:padded`), and
+ours divided by each, against the targets (`VARLEN_TARGETS`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from hopper_fmha.bench.flops import tflops
-from hopper_fmha.bench.registry import BEST_PEERS, FA2, REGISTRY, Problem
+from hopper_fmha.bench.presets import dense_twin
+from hopper_fmha.bench.registry import BEST_PEERS, FA2, PADDED, REGISTRY, Problem
 
 SCHEMA = "hopper-fmha-bench/1"
 MISSING = "–"
@@ -30,6 +36,8 @@ SUBSETS = (
     ("N≥2048", lambda p: p.seqlen_q >= 2048),
     ("N∈{512,1024}", lambda p: p.seqlen_q in (512, 1024)),
 )
+# Ours on a varlen problem ÷ FA4 on it, and ÷ ours on its dense twin: the varlen issue's targets.
+VARLEN_TARGETS = {"fa4": 1.0, "twin": 0.95}
 
 
 def steady_text(steady_ms: float) -> str:
@@ -141,16 +149,17 @@ def backends_in(results: dict, timed_only: bool = True) -> list[tuple[str, str, 
     return sorted(seen.values(), key=lambda b: not b[2])
 
 
+def good_record(recs: dict[str, dict], name: str, mode: str) -> dict | None:
+    """Backend `name`'s record on one problem if it is correct and has a rate in `mode`."""
+    rec = recs.get(name)
+    return rec if rec and rec["status"] == "ok" and rate(rec, mode) is not None else None
+
+
 def reference_records(recs: dict[str, dict], mode: str) -> tuple[dict | None, dict | None]:
     """(FA2 record, fastest record among BEST_PEERS) for one problem, those with a rate in
     `mode`; wrong results do not count."""
-
-    def good(name):
-        rec = recs.get(name)
-        return rec if rec and rec["status"] == "ok" and rate(rec, mode) is not None else None
-
-    peers = [r for r in (good(n) for n in BEST_PEERS) if r is not None]
-    return good(FA2), max(peers, key=lambda r: rate(r, mode)) if peers else None
+    peers = [r for r in (good_record(recs, n, mode) for n in BEST_PEERS) if r is not None]
+    return good_record(recs, FA2, mode), max(peers, key=lambda r: rate(r, mode)) if peers else None
 
 
 def reference_rates(recs: dict[str, dict], mode: str) -> tuple[float | None, float | None]:
@@ -192,6 +201,8 @@ def _ratio_cell(rec: dict | None, ref: dict | None, mode: str) -> str:
 
 def _problem_cells(p: Problem) -> list[str]:
     n = str(p.seqlen_q) if p.seqlen_q == p.seqlen_k else f"{p.seqlen_q}/{p.seqlen_k}"
+    if p.seqlens is not None:
+        n = f"varlen {min(p.seqlens)}–{p.seqlen_q}"
     h = str(p.heads) if p.heads == p.kv_heads else f"{p.heads}/{p.kv_heads}"
     return [str(p.batch), n, h, str(p.head_dim), "yes" if p.causal else "no", p.dtype]
 
@@ -326,6 +337,45 @@ def summary_table(results: dict) -> str | None:
     return md_table(headers, out)
 
 
+VARLEN_HEADERS = [
+    "problem", "backend", "TFLOP/s", "FA4", f"÷ FA4 (≥ {VARLEN_TARGETS['fa4']})", "dense twin",
+    "twin TFLOP/s", f"÷ twin (≥ {VARLEN_TARGETS['twin']})", "padded", "÷ padded",
+]  # fmt: skip
+
+
+VARLEN_NOTE = (
+    "FLOPs per sequence, on the real tokens, for every backend (the padded call included). Dense "
+    "twin: batch = the number of sequences, N = the RMS of the lengths rounded to a multiple of "
+    "128, timed with the same backend; padded: our dense kernel on the batch zero-padded to the "
+    "longest sequence (non-causal: timed, not checked, its rows see the padded keys)."
+)
+
+
+def varlen_rows(results: dict, mode: str = PRIMARY) -> list[list[str]]:
+    """The varlen table's rows (module docstring): one per varlen problem and backend of ours
+    that ran on it; ratios to correct results only, "–" where the run lacks one."""
+    groups = dict(by_problem(results))
+    ours = [name for name, _, is_ours in backends_in(results, timed_only=False) if is_ours and name != PADDED]
+    rows = []
+    for p, recs in groups.items():
+        if p.seqlens is None:
+            continue
+        twin = dense_twin(p)
+        twin_recs = groups.get(twin, {})
+        fa4, padded = good_record(recs, "fa4", mode), good_record(recs, PADDED, mode)
+        for name in ours:
+            if name not in recs:
+                continue
+            rec = recs[name]
+            rows.append([
+                p.label(), name, _cell(rec, mode), _cell(recs.get("fa4"), mode), _ratio_cell(rec, fa4, mode),
+                f"B{twin.batch} N{twin.seqlen_q}", _cell(twin_recs.get(name), mode),
+                _ratio_cell(rec, good_record(twin_recs, name, mode), mode),
+                _cell(recs.get(PADDED), mode), _ratio_cell(rec, padded, mode),
+            ])  # fmt: skip
+    return rows
+
+
 def tile_grids(results: dict, mode: str = PRIMARY) -> list[tuple[str, list[str], list[list[str]], list]]:
     """Seed-paper Table 1: per variant, problems x tiles. [(variant, tiles, rows, cells)] where
     cells holds (problem, tile, rate or None, status, eager fallback) for the plots."""
@@ -399,10 +449,10 @@ def _env_lines(results: dict) -> list[str]:
     else:  # results written before rounds existed
         timing = f"Median of {s.get('iters')} samples after {s.get('warmup')} warm-up calls, CUDA events."
     lines.append(
-        f"- method: FLOPs = 4·B·H·Nq·Nk·d, halved for causal. {timing} Eager: back-to-back calls "
-        "from Python (host overhead included); graph: CUDA-graph replays (kernel time). Inputs "
-        "rotate over sets totalling > 2×L2. Correct (else ✗): max abs error vs the fp32 reference "
-        "≤ 2× that of PyTorch in the input dtype + eps·max|ref|."
+        "- method: FLOPs = 4·B·H·Nq·Nk·d, halved for causal (varlen: summed over the sequences). "
+        f"{timing} Eager: back-to-back calls from Python (host overhead included); graph: CUDA-graph "
+        "replays (kernel time). Inputs rotate over sets totalling > 2×L2. Correct (else ✗): max abs "
+        "error vs the fp32 reference ≤ 2× that of PyTorch in the input dtype + eps·max|ref|."
     )
     lines.append(
         f"- **{RATIO_RULE[0].upper() + RATIO_RULE[1:]}**: ÷FA2, ÷best peer ({BEST_TEXT}, correct "
@@ -521,6 +571,10 @@ def render_markdown(results: dict) -> str:
     summary = summary_table(results)
     if summary:
         parts += ["", f"## Summary: ours ÷ {BEST_TEXT}, geometric mean over problems", "", summary]
+    varlen = varlen_rows(results)
+    if varlen:
+        heading = f"## Varlen: ours ÷ FA4, ÷ our dense twin, ÷ padded (TFLOP/s: {mode_text(PRIMARY)})"
+        parts += ["", heading, "", VARLEN_NOTE, "", md_table(VARLEN_HEADERS, varlen)]
     tables = [(PRIMARY, "TFLOP/s, CUDA-graph replays (kernel time; (e): eager, not captured)")]
     if not has_graph(results):
         tables = [("eager", "TFLOP/s, eager calls (no CUDA-graph timings in this run)")]
@@ -595,14 +649,23 @@ def render_terminal(results: dict) -> str:
                 _fmt(ratio(rate(rec, "eager"), rate(best_e, "eager") if best_e else None), ".2f"),
                 errtol, status[:60],
             ])  # fmt: skip
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines = columns(headers, rows)
     foot = f"TFLOP/s; {RATIO_RULE}: %mm, ÷FA2, ÷best use graph time ((e): eager, not captured)"
     foot += f", ÷best(e) eager time; best = {BEST_TEXT}; err/tol ≤ 1 passes"
     if mm:
         foot += f"; cuBLAS fp16 matmul in this run: {mm:.1f} TFLOP/s (%mm)"
     lines.append(foot)
     lines += summary_lines(results)
+    varlen = varlen_rows(results)
+    if varlen:
+        lines += ["", f"varlen: TFLOP/s ({mode_text(PRIMARY)}); ours ÷ FA4, ÷ our dense twin, ÷ padded"]
+        lines += columns(VARLEN_HEADERS, varlen)
     return "\n".join(lines)
+
+
+def columns(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """A plain-text table: a header line, a rule, then the rows, columns padded to their width."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    return lines + ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]

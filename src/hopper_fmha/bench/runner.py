@@ -13,7 +13,8 @@ hopper_fmha.config), or "error" (raised while being timed).
 Correctness rule (FlashAttention's test rule): the backend's max abs error against the fp32
 reference must be at most 2x the error of PyTorch computing the same attention in the input
 dtype (fp16/bf16 matmuls, fp32 softmax: `lowp_attention`), plus a floor of one ulp of the
-output's largest value (eps(dtype) * max|ref|).
+output's largest value (eps(dtype) * max|ref|). On a varlen problem both are computed sequence by
+sequence and the rule applies to the packed rows.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hopper_fmha.bench.registry import Backend, BackendSkip, Problem
+from hopper_fmha.bench.registry import PADDED_UNCHECKED, Backend, BackendSkip, Problem, unpad
 from hopper_fmha.bench.timing import (
     L2_FALLBACK_BYTES,
     EagerSampler,
@@ -150,19 +151,28 @@ def collect_env(device: str) -> dict:
 
 
 def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
+    """`n_sets` input sets drawn from one generator seeded with `seed`: (q, k, v) in BSHD, or
+    for a varlen problem packed (q, k, v, cu_seqlens): q (total, heads, d), k and v (total,
+    kv_heads, d), cu_seqlens the int32 offsets (`Problem.offsets`, one tensor for all sets)."""
     import torch
 
     dtype = getattr(torch, p.dtype)
     g = torch.Generator(device=device)
     g.manual_seed(seed)
+    if p.seqlens is None:
+        q_rows, kv_rows, extra = (p.batch, p.seqlen_q), (p.batch, p.seqlen_k), ()
+    else:
+        total = sum(p.seqlens)
+        q_rows, kv_rows = (total,), (total,)
+        extra = (torch.tensor(p.offsets, dtype=torch.int32, device=device),)
     sets = []
     for _ in range(n_sets):
-        q = torch.randn(p.batch, p.seqlen_q, p.heads, p.head_dim, dtype=dtype, device=device, generator=g)
+        q = torch.randn(*q_rows, p.heads, p.head_dim, dtype=dtype, device=device, generator=g)
         k, v = (
-            torch.randn(p.batch, p.seqlen_k, p.kv_heads, p.head_dim, dtype=dtype, device=device, generator=g)
+            torch.randn(*kv_rows, p.kv_heads, p.head_dim, dtype=dtype, device=device, generator=g)
             for _ in range(2)
         )
-        sets.append((q, k, v))
+        sets.append((q, k, v, *extra))
     return sets
 
 
@@ -203,17 +213,32 @@ def _exact_fp32_matmul():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-class Checker:
-    """The fp32 reference and the tolerance for one problem, computed from the first input set."""
+def _per_sequence(fn: Callable, q, k, v, cu_seqlens):
+    """fn(q, k, v) -> BSHD output; with cu_seqlens (packed inputs), fn on each sequence as a
+    batch of one, the outputs packed back into rows."""
+    import torch
 
-    def __init__(self, p: Problem, q, k, v, reference: Callable | None = None):
+    if cu_seqlens is None:
+        return fn(q, k, v)
+    bounds = cu_seqlens.tolist()
+    spans = zip(bounds[:-1], bounds[1:], strict=True)
+    return torch.cat([fn(*(x[None, a:b] for x in (q, k, v)))[0] for a, b in spans])
+
+
+class Checker:
+    """The fp32 reference and the tolerance for one problem, computed from the first input set
+    (with cu_seqlens: a varlen problem's packed set, checked sequence by sequence)."""
+
+    def __init__(self, p: Problem, q, k, v, cu_seqlens=None, *, reference: Callable | None = None):
         import torch
 
         if reference is None:
             from hopper_fmha.reference import reference
         with _exact_fp32_matmul():
-            self.ref = _first(reference(q, k, v, causal=p.causal)).float()
-        self.torch_err = (lowp_attention(q, k, v, p.causal).float() - self.ref).abs().max().item()
+            ref = _per_sequence(lambda *qkv: _first(reference(*qkv, causal=p.causal)), q, k, v, cu_seqlens)
+            self.ref = ref.float()
+        lowp = _per_sequence(lambda *qkv: lowp_attention(*qkv, p.causal), q, k, v, cu_seqlens)
+        self.torch_err = (lowp.float() - self.ref).abs().max().item()
         floor = torch.finfo(q.dtype).eps * self.ref.abs().max().item()
         self.tol = 2 * self.torch_err + floor
 
@@ -253,7 +278,7 @@ def _alive(timer) -> bool:
 
 def kernel_key(p: Problem, b: Backend) -> tuple:
     """What changes the generated code (not batch or seqlen): one compile per key."""
-    return (b.name, p.dtype, p.head_dim, p.causal, p.heads // p.kv_heads)
+    return (b.name, p.dtype, p.head_dim, p.causal, p.heads // p.kv_heads, p.seqlens is not None)
 
 
 def _profile_compile(fn, timer) -> dict:
@@ -332,7 +357,7 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
     backend, rec = entry.backend, entry.rec
     with backend.context():
         try:
-            fns = [backend.build(p, *s) for s in sets]
+            fns = [backend.make(p, *s) for s in sets]
         except BackendSkip as e:
             return fail(e.status, e.reason)
         except Exception as e:
@@ -346,6 +371,8 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
                 out = _first(fns[0]())  # FA4 / FA3 return (out, lse) in some versions
                 if backend.layout == "bhsd":
                     out = out.transpose(1, 2)
+                elif backend.layout == "padded":
+                    out = unpad(out, p.seqlens)
                 timer.synchronize()
             except Exception as e:
                 why = "; ".join(
@@ -353,7 +380,10 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
                 )
                 return fail("skipped", "raised " + _short(e) + (f" ({why[:400]})" if why else ""))
         try:
-            rec["check"] = checker().check(out)
+            if backend.layout == "padded" and not p.causal:
+                rec["check"] = {"passed": None, "reason": PADDED_UNCHECKED}
+            else:
+                rec["check"] = checker().check(out)
         except Exception as e:
             rec["check"] = {"passed": None, "reason": "reference failed: " + _short(e)}
             if not _alive(timer):
@@ -377,7 +407,7 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
                     raise CudaContextLost(rec["graph_reason"], rec) from e
         if profile:
             rec["profile"]["launch_us"] = launch_us(fns, timer)
-            if backend.ours:
+            if backend.ours and p.seqlens is None:  # the stages are flash_attn_func's
                 rec["profile"]["host_stages_us"] = _host_stages(p, sets[0])
 
 

@@ -24,7 +24,7 @@ import os
 # also right on a CPU-only machine, where it lets the kernels compile for inspection.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from hopper_fmha.config import launch_config  # noqa: E402
+from hopper_fmha.config import kernel_head_dims, launch_config  # noqa: E402
 
 from . import cache  # noqa: E402
 from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, dsl_flavor, get_kernel  # noqa: E402, F401
@@ -221,7 +221,8 @@ def feature_key(key: KernelKey, features) -> KernelKey:
     if left is not None:
         changes["causal_trim"] = False
     if left is not None or softcap is not None:
-        changes["tile_n"] = FEATURE_TILE_N.get((key.head_dim, key.tile_m, key.tile_n), key.tile_n)
+        kernel_d = kernel_head_dims(key.head_dim, key.head_dim_v or key.head_dim)[0]
+        changes["tile_n"] = FEATURE_TILE_N.get((kernel_d, key.tile_m, key.tile_n), key.tile_n)
     return key._replace(**changes)
 
 

@@ -18,7 +18,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from hopper_fmha.config import WS_SWITCHES
+from hopper_fmha.config import WS_SWITCHES, kernel_head_dims
 
 # The switch values of a KernelConfig, in KernelKey's field order (one C call on the per-call path).
 _ws_switches = attrgetter(*WS_SWITCHES)
@@ -53,6 +53,9 @@ class KernelKey(NamedTuple):
     # (h, total_q), cu_seqlens_q/k and max_seqlen_q launch arguments; seqused_k adds (batch,) int32.
     varlen: bool = False
     seqused_k: bool = False
+    # v's head dim where it differs from q's (0: the same). head_dim and head_dim_v are the data's;
+    # the ws kernel computes with `config.kernel_head_dims` of them.
+    head_dim_v: int = 0
 
     @property
     def features(self) -> bool:
@@ -67,11 +70,21 @@ class KernelKey(NamedTuple):
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
         """The key of `cfg` (a `hopper_fmha.config.KernelConfig`) for a dtype name and mask."""
-        return cls(dtype, cfg.head_dim, cfg.tile_m, cfg.tile_n, causal, cfg.variant, *_ws_switches(cfg))
+        return cls(
+            dtype,
+            cfg.head_dim,
+            cfg.tile_m,
+            cfg.tile_n,
+            causal,
+            cfg.variant,
+            *_ws_switches(cfg),
+            cfg.head_dim_v,
+        )
 
     def slug(self) -> str:
         c = "causal" if self.causal else "full"
-        slug = f"{self.variant}_{self.dtype}_d{self.head_dim}_{self.tile_m}x{self.tile_n}_{c}"
+        dv = f"v{self.head_dim_v}" if self.head_dim_v and self.head_dim_v != self.head_dim else ""
+        slug = f"{self.variant}_{self.dtype}_d{self.head_dim}{dv}_{self.tile_m}x{self.tile_n}_{c}"
         if self.variant == "ws":
             overlap = "ov" if self.intra_wg_overlap else "noov"
             pingpong = "pp" if self.pingpong else "nopp"
@@ -148,7 +161,8 @@ def _kernel_object(key: KernelKey):
         return PaperFwdSm90(dtype, key.head_dim, key.tile_m, key.tile_n, key.causal), dtype
     if key.variant == "ws":
         switches = {name: getattr(key, name) for name in WS_SWITCHES}
-        kernel = WsFwdSm90(dtype, key.head_dim, key.tile_m, key.tile_n, key.causal, **switches)
+        kd, kdv = kernel_head_dims(key.head_dim, key.head_dim_v or key.head_dim)
+        kernel = WsFwdSm90(dtype, kd, key.tile_m, key.tile_n, key.causal, **switches, head_dim_v=kdv)
         return kernel, dtype
     raise ValueError(f"unknown kernel variant {key.variant!r}")
 
@@ -172,8 +186,9 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
     _, dtype = _kernel_object(key)
     b, sq, sk, h, hkv = (cute.sym_int() for _ in range(5))
     d = key.head_dim
+    dv = key.head_dim_v or d
 
-    def bshd(seqlen, heads):
+    def bshd(seqlen, heads, d=d):
         stride = (
             cute.sym_int64(divisibility=8),
             cute.sym_int64(divisibility=8),
@@ -182,17 +197,17 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
         )
         return cute.runtime.make_fake_tensor(dtype, (b, seqlen, heads, d), stride=stride, assumed_align=16)
 
-    def packed(total, heads):
+    def packed(total, heads, d=d):
         stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
         return cute.runtime.make_fake_tensor(dtype, (total, heads, d), stride=stride, assumed_align=16)
 
     if key.varlen:
-        q, k, v, o = packed(sq, h), packed(sk, hkv), packed(sk, hkv), packed(sq, h)
+        q, k, v, o = packed(sq, h), packed(sk, hkv), packed(sk, hkv, dv), packed(sq, h, dv)
         lse = cute.runtime.make_fake_tensor(
             cutlass.Float32, (h, sq), stride=(cute.sym_int64(), 1), assumed_align=4
         )
     else:
-        q, k, v, o = bshd(sq, h), bshd(sk, hkv), bshd(sk, hkv), bshd(sq, h)
+        q, k, v, o = bshd(sq, h), bshd(sk, hkv), bshd(sk, hkv, dv), bshd(sq, h, dv)
         lse = cute.runtime.make_fake_tensor(
             cutlass.Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
         )

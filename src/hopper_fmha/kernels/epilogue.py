@@ -35,6 +35,7 @@ WARPGROUP = 128
 @dataclass(frozen=True)
 class Epilogue:
     """The O/LSE stores of `num_mma_wg` consumer warpgroups (64 rows each) for tile_m x head_dim
+    (V's and O's columns; those past the data's are clipped by the TMA store)
     tiles. Named barriers: `barrier_epilogue` (all consumers) and `barrier_o_slot` + warpgroup
     (split: that warpgroup's buffer is written / free)."""
 
@@ -64,10 +65,11 @@ class Epilogue:
         return self.o_buffer == "split"
 
     # ---------------------------------------------------------------- host side
-    def make_atom(self, mO: cute.Tensor, sQ_layout):
-        """(sO_layout, o_elems, tma_atom_O, tma_O): O's smem layout (Q's when O reuses Q's buffer;
-        then o_elems is a token 8), and the TMA store of the whole tile or (split) 64 x o_cols."""
-        sO_layout = sQ_layout
+    def make_atom(self, mO: cute.Tensor):
+        """(sO_layout, o_elems, tma_atom_O, tma_O): O's smem layout (over Q's storage when O reuses
+        Q's buffer; then o_elems is a token 8), and the TMA store of the whole tile or (split)
+        64 x o_cols."""
+        sO_layout = smem_layout(self.dtype, self.tile_m, self.head_dim)
         o_box = (self.tile_m, self.head_dim)
         if const_expr(self.split_o):
             sO_layout = smem_layout(self.dtype, 64, self.o_cols, self.num_mma_wg)

@@ -29,7 +29,8 @@ from .sm90_common import tma_load
 
 @dataclass(frozen=True)
 class TmaLoader:
-    """Loads of tile_m x head_dim Q tiles and tile_n x head_dim K/V blocks, by TMA. `create`
+    """Loads of tile_m x head_dim Q tiles, tile_n x head_dim K blocks and tile_n x head_dim_v V
+    blocks, by TMA (columns past the data's head dims arrive as zeros). `create`
     adds the producer's atoms, tensors and buffers. A frozen dataclass: the DSL's loops pass it
     through unchanged."""
 
@@ -37,6 +38,7 @@ class TmaLoader:
     tile_m: cutlass.Constexpr[int]
     tile_n: cutlass.Constexpr[int]
     head_dim: cutlass.Constexpr[int]
+    head_dim_v: cutlass.Constexpr[int]
     cluster_m: cutlass.Constexpr[int] = 1
     tma_atom_Q: cute.CopyAtom = None
     mQ: cute.Tensor = None
@@ -50,7 +52,9 @@ class TmaLoader:
     rank: Int32 = None
 
     # ---------------------------------------------------------------- host side
-    def make_atoms(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ_layout, sKV_stage_layout):
+    def make_atoms(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ_layout, sK_stage_layout, sV_stage_layout
+    ):
         """TMA atoms and tensors of Q (one tile per load) and K, V (one block, multicast over the
         cluster when cluster_m > 1), from (s, d, h, b) tensors."""
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
@@ -59,10 +63,10 @@ class TmaLoader:
         if const_expr(self.cluster_m > 1):
             tma_op_kv = cpasync.CopyBulkTensorTileG2SMulticastOp()
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_op_kv, mK, sKV_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
+            tma_op_kv, mK, sK_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
         )
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_op_kv, mV, sKV_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
+            tma_op_kv, mV, sV_stage_layout, (self.tile_n, self.head_dim_v), num_multicast=self.cluster_m
         )
         return tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V
 
@@ -107,7 +111,7 @@ class TmaLoader:
         mV = seqlen.rows(self.mV, head_kv, batch, seqlen.offset_k)
         gQ = cute.local_tile(mQ, (self.tile_m, self.head_dim), (m_block, 0))
         gK = cute.local_tile(mK, (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV, (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV, (self.tile_n, self.head_dim_v), (None, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
             self.tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )

@@ -79,7 +79,11 @@ scheduler counts tiles up to max_seqlen_q and the producer skips those past a se
 (`skip_empty`), loads start at the sequence's offset and O's TMA store goes through a ragged view
 that clips at the sequence's end (`seqlen.ragged_rows`).
 
-Constraints: head_dim in {64, 128, 256}; fp16/bf16 in, fp32 accumulate; tile_m in {128, 192};
+Head dims: (head_dim, head_dim_v) of `config.WS_KERNEL_HEAD_DIMS` (q and k, v and O); data of
+smaller head dims runs the next kernel up, TMA filling the missing columns with zeros on loading
+and clipping them on storing (`config.kernel_head_dims`).
+
+Constraints: fp16/bf16 in, fp32 accumulate; tile_m in {128, 192};
 tile_n a multiple of 16 (the P·V K-blocks), at most 256 (WGMMA N); bottom-right causal.
 `hopper_fmha.config` owns the tile table and the checks that a tile fits.
 """
@@ -94,7 +98,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
-from hopper_fmha.config import ROWSUM_COLS, SMEM_CAPACITY_BYTES, ws_o_buffer, ws_smem_bytes
+from hopper_fmha.config import (
+    ROWSUM_COLS,
+    SMEM_CAPACITY_BYTES,
+    WS_KERNEL_HEAD_DIMS,
+    ws_o_buffer,
+    ws_smem_bytes,
+)
 
 from .epilogue import Epilogue
 from .loader import TmaLoader
@@ -158,12 +168,16 @@ class WsFwdSm90:
         sink: bool = False,
         varlen: bool = False,
         seqused_k: bool = False,
+        head_dim_v: int | None = None,
     ):
-        assert head_dim in (64, 128, 256)
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        assert (head_dim, head_dim_v) in WS_KERNEL_HEAD_DIMS
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
         assert num_stages >= 1
         self.dtype = dtype
         self.head_dim = head_dim
+        # V's and O's columns (q and k: head_dim); both may exceed the data's (`config.kernel_head_dims`).
+        self.head_dim_v = head_dim_v
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.causal = causal
@@ -199,7 +213,7 @@ class WsFwdSm90:
         # last GEMM-I completes, as with a separate buffer. At d = 256 this fits beside 128x64
         # tiles, where a whole separate O does not.
         # Which fit: `config.ws_o_buffer` ("own" fits "split" too).
-        fits = ws_o_buffer(head_dim, tile_m, tile_n, num_stages, dtype.width // 8, mma_rowsum)
+        fits = ws_o_buffer(head_dim, tile_m, tile_n, num_stages, dtype.width // 8, mma_rowsum, head_dim_v)
         assert not split_o or fits != "q", "split_o: the O buffers do not fit beside Q, K and V"
         self.split_o = split_o
         # mma_rowsum: the row sums of P come from the tensor cores, a 64x8 GEMM of P against a
@@ -226,7 +240,7 @@ class WsFwdSm90:
         self.release_q_at_qk = release_q_at_qk and self.early_q_release and intra_wg_overlap
         o_buffer = "own" if self.separate_o else "split" if split_o else "q"
         self.smem_bytes = ws_smem_bytes(
-            head_dim, tile_m, tile_n, num_stages, dtype.width // 8, mma_rowsum, o_buffer
+            head_dim, tile_m, tile_n, num_stages, dtype.width // 8, mma_rowsum, o_buffer, head_dim_v
         )
         assert not mma_rowsum or self.smem_bytes <= SMEM_CAPACITY_BYTES, (
             "mma_rowsum: the block of ones does not fit in shared memory beside Q, K and V"
@@ -248,14 +262,14 @@ class WsFwdSm90:
 
         # The parts (see the module docstring).
         self.mask = Mask(tile_m, tile_n, causal, self.window_left, self.window_right)
-        self.loader = TmaLoader(dtype, tile_m, tile_n, head_dim, cluster_m)
+        self.loader = TmaLoader(dtype, tile_m, tile_n, head_dim, head_dim_v, cluster_m)
         # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
         # differ in work (causal), else in a fixed serpentine order.
         self.scheduler = TileScheduler(
             tile_m, cluster_m, causal, 32 + self.num_mma_threads, BARRIER_TILE_FULL, BARRIER_TILE_EMPTY
         )
         self.epilogue = Epilogue(
-            dtype, tile_m, head_dim, self.num_mma_wg, o_buffer, BARRIER_EPILOGUE, BARRIER_O_SLOT
+            dtype, tile_m, head_dim_v, self.num_mma_wg, o_buffer, BARRIER_EPILOGUE, BARRIER_O_SLOT
         )
 
     # ---------------------------------------------------------------- host side
@@ -265,7 +279,7 @@ class WsFwdSm90:
 
         # GEMM-I (Q, K from smem), GEMM-II (P from registers, V^T), P's row sums (ones K-major).
         tiled_mma_qk = tiled_mma(OperandMajorMode.K, self.tile_n)
-        tiled_mma_pv = tiled_mma(OperandMajorMode.MN, self.head_dim, warpgroup.OperandSource.RMEM)
+        tiled_mma_pv = tiled_mma(OperandMajorMode.MN, self.head_dim_v, warpgroup.OperandSource.RMEM)
         tiled_mma_sum = tiled_mma(OperandMajorMode.K, ROWSUM_COLS, warpgroup.OperandSource.RMEM)
         # GEMM-I over the first half of a key block (causal_trim).
         tiled_mma_qk_half = tiled_mma(OperandMajorMode.K, self.tile_n // 2)
@@ -335,16 +349,15 @@ class WsFwdSm90:
         ones_elems = cute.cosize(sOnes_layout) if const_expr(self.mma_rowsum) else 8
         sQ_layout = self._smem_layout(self.tile_m)
         sK_layout = self._smem_layout(self.tile_n, self.num_stages)
-        sV_layout = self._smem_layout(self.tile_n, self.num_stages)
-        sKV_stage_layout = cute.select(sK_layout, mode=[0, 1])
+        sV_layout = self._smem_layout(self.tile_n, self.num_stages, cols=self.head_dim_v)
 
         tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V = self.loader.make_atoms(
-            mQ, mK, mV, sQ_layout, sKV_stage_layout
+            mQ, mK, mV, sQ_layout, cute.select(sK_layout, mode=[0, 1]), cute.select(sV_layout, mode=[0, 1])
         )
         # O: the whole tile from Q's or its own buffer, or (split_o) 64 x 128 from a warpgroup's.
         # Varlen: a ragged view, so that each tile's store clips at its sequence's end.
         sO_layout, o_elems, tma_atom_O, tma_O = self.epilogue.make_atom(
-            ragged_rows(mO) if const_expr(self.varlen) else mO, sQ_layout
+            ragged_rows(mO) if const_expr(self.varlen) else mO
         )
 
         @cute.struct
@@ -488,13 +501,14 @@ class WsFwdSm90:
             pipeline.Agent.Thread, self.num_mma_threads // 32 * self.cluster_m
         )
         cta_layout_vmnk = cute.make_layout((1, self.cluster_m, 1, 1))
-        bytes_KV = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        bytes_K = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        bytes_V = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
         pipeline_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_K.data_ptr(),
             num_stages=self.num_stages,
             producer_group=producer_group,
             consumer_group=consumer_group,
-            tx_count=bytes_KV,
+            tx_count=bytes_K,
             cta_layout_vmnk=cta_layout_vmnk,
             mcast_mode_mn=(0, 1),
             defer_sync=True,
@@ -504,7 +518,7 @@ class WsFwdSm90:
             num_stages=self.num_stages,
             producer_group=producer_group,
             consumer_group=consumer_group,
-            tx_count=bytes_KV,
+            tx_count=bytes_V,
             cta_layout_vmnk=cta_layout_vmnk,
             mcast_mode_mn=(0, 1),
             defer_sync=True,
@@ -528,6 +542,9 @@ class WsFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sO = sQ
+        if const_expr(self.head_dim_v != self.head_dim and not (self.separate_o or self.split_o)):
+            # O through Q's buffer, in fewer columns than Q: its own layout over Q's storage.
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         if const_expr(self.separate_o or self.split_o):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
@@ -677,13 +694,13 @@ class WsFwdSm90:
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         # V^T (d, tile_n, stages) for GEMM-II's MN-major B operand.
         sVt = cute.composition(
-            sV, cute.make_ordered_layout((self.head_dim, self.tile_n, self.num_stages), order=(1, 0, 2))
+            sV, cute.make_ordered_layout((self.head_dim_v, self.tile_n, self.num_stages), order=(1, 0, 2))
         )
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_S = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
-        acc_O = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim)))
+        acc_O = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m, self.head_dim_v)))
         # P, the A operand of GEMM-II: the accumulator layout of S re-viewed (no data movement).
         tOrP_acc = cute.make_rmem_tensor(acc_shape_S, self.dtype)
         tOrP = cute.make_tensor(tOrP_acc.iterator, acc_to_operand_a_layout(tOrP_acc.layout))
