@@ -118,6 +118,8 @@ class KernelConfig:
     # Packed variable-length sequences (WS_SWITCHES): set per launch (`kernels.varlen_key`).
     varlen: bool = False
     seqused_k: bool = False
+    split_kv: bool = False  # per launch too (`kernels.kvcache_forward`)
+    pack_gqa: int = 1  # likewise: q heads per kv head packed into a tile's rows (1: none)
     # v's head dim where it differs from head_dim (0: the same).
     head_dim_v: int = 0
 
@@ -361,6 +363,10 @@ WS_SWITCHES = (
     # sequence (seqused_k); set per launch by `kernels.varlen_key`.
     "varlen",
     "seqused_k",
+    # Split-KV (`kernels/sm90_ws.py`): key ranges per tile, partials merged by `kernels/combine.py`.
+    "split_kv",
+    # Pack-GQA (`kernels/sm90_ws.py`): the q heads of a kv head share a tile (decode).
+    "pack_gqa",
 )
 WS_DERIVED_SWITCHES = ("split_o",)
 
@@ -390,6 +396,8 @@ class WsChoice:
     sink: bool = False
     varlen: bool = False  # never set by the table either (`kernels.varlen_key`)
     seqused_k: bool = False
+    split_kv: bool = False
+    pack_gqa: int = 1
 
 
 # The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from hopper_fmha import config, reference, varlen_args
+from hopper_fmha import config, kvcache_args, reference, varlen_args
 
 _DTYPES = (torch.float16, torch.bfloat16)
 # TMA needs 16-byte aligned base addresses and 16-byte multiples for all strides but the last.
@@ -181,6 +181,134 @@ def flash_attn_varlen_func(
         )
     else:
         out, lse = _varlen_fwd_impl(*args, cfg, return_lse, features)
+    return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    num_splits: int = 0,
+    *,
+    learnable_sink: torch.Tensor | None = None,
+):
+    """Attention of a few query tokens against a KV cache (FlashAttention's decode API).
+
+    Args:
+        q: (batch, seqlen_q, heads, head_dim); seqlen_q small (1 for a decode step).
+        k_cache, v_cache: (batch, capacity, kv_heads, head_dim / head_dim_v), dense, with the
+            kernels' strides (last dim contiguous, others multiples of 8 elements, 16-byte
+            aligned data: a cache is never copied).
+        k, v: None, or (batch, seqlen_new, kv_heads, head_dim / head_dim_v) new tokens, written
+            into the cache in place at cache_seqlens[b] .. + seqlen_new - 1, then attended.
+        cache_seqlens: tokens already in each sequence's cache: an int, an int32 (batch,) tensor
+            on q's device, or None (the whole capacity, no new tokens).
+        page_table: paged caches are not supported yet (an error).
+        softmax_scale, causal, window_size, softcap, learnable_sink: as `flash_attn_func`, the
+            masks aligned to the bottom-right: the end of each sequence's keys.
+        num_splits: key ranges per query tile (split-KV); 0 chooses (`kernels.num_splits_heuristic`).
+
+    Returns out (batch, seqlen_q, heads, head_dim_v), and with return_lse (out, lse) with lse
+    (batch, heads, seqlen_q) float32.
+
+    The values of a cache_seqlens tensor are checked with one device-to-host copy, except under
+    CUDA graph capture (`kvcache_args`). Nothing is written to the cache when a call is rejected.
+    Under torch.compile the call runs eagerly (a graph break).
+    """
+    shape = kvcache_args.check_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        page_table,
+        check_values=varlen_args.varlen_values_checkable(),
+    )
+    if shape.paged:
+        raise NotImplementedError(
+            "flash_attn_with_kvcache: paged KV caches (page_table) are not supported yet; pass a dense "
+            "(batch, capacity, kv_heads, head_dim) cache"
+        )
+    scale = _check_scale(softmax_scale, shape.head_dim)
+    if causal is not True and causal is not False:
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if (
+        isinstance(num_splits, bool)
+        or not isinstance(num_splits, numbers.Integral)
+        or not 0 <= num_splits <= 256
+    ):
+        raise ValueError(f"num_splits must be an int in [0, 256] (0: chosen per call), got {num_splits!r}")
+    head_dim_v = None if shape.head_dim_v == shape.head_dim else shape.head_dim_v
+    features, causal, cfg = _score_features(
+        shape.seqlen_q, shape.capacity, shape.heads, shape.head_dim, causal, window_size, softcap,
+        learnable_sink, "ws", None, head_dim_v,
+    )  # fmt: skip
+    if cfg is None:
+        cfg = _select(shape.head_dim, causal, shape.capacity, "ws", None, _selector(), head_dim_v)
+    if _grad_needed(q, q if k is None else k, q if v is None else v, learnable_sink):
+        raise RuntimeError(_NO_BACKWARD)
+    _check_device(q, k_cache, v_cache)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if _conforming(cache) is not cache:
+            raise ValueError(
+                f"{name} must have its last dim contiguous, its other strides multiples of 8 elements "
+                f"and 16-byte aligned data (the cache is read in place, never copied); got strides "
+                f"{cache.stride()}"
+            )
+    if features is not None and features.sink is not None and features.sink.device != q.device:
+        raise RuntimeError(f"learnable_sink must be on q's device {q.device}, got {features.sink.device}")
+    # ---- every rule checked: from here on the cache may be written ----
+    if shape.seqlen_new:
+        kvcache_args.append_kv(k_cache, v_cache, k, v, cache_seqlens, page_table)
+    seqused = None  # the keys of each sequence: all of the (sliced) cache, or a tensor of lengths
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqused = cache_seqlens + shape.seqlen_new if shape.seqlen_new else cache_seqlens
+    elif cache_seqlens is not None:
+        n = int(cache_seqlens) + shape.seqlen_new
+        k_cache, v_cache = k_cache[:, :n], v_cache[:, :n]
+    out, lse = _empty_outputs(q, shape.head_dim_v)
+    if out.numel() == 0:
+        return (out, lse) if return_lse else out
+    if k_cache.shape[1] == 0:
+        out.zero_()
+        if features is not None and features.sink is not None:
+            lse.copy_(features.sink[None, :, None].expand_as(lse))
+        else:
+            lse.fill_(-math.inf)
+        return (out, lse) if return_lse else out
+    q = _conforming(q)
+    global _kernels
+    if _kernels is None:
+        from hopper_fmha import kernels as _kernels
+    pack = _kernels.use_pack_gqa(
+        shape.seqlen_q, shape.heads // shape.kv_heads, features is not None and features.sink is not None
+    )
+    if num_splits == 0:
+        sms = _kernels._sm_count(q.get_device())
+        heads, rows = (
+            (shape.kv_heads, shape.seqlen_q * shape.heads // shape.kv_heads)
+            if pack
+            else (shape.heads, shape.seqlen_q)
+        )
+        num_splits = _kernels.num_splits_heuristic(shape.batch, heads, rows, k_cache.shape[1], cfg, sms)
+    window, cap, sink = None, 0.0, None
+    if features is not None:
+        window, cap, sink = (features.left, features.right), features.softcap, features.sink
+    _kernels.kvcache_forward(
+        q, k_cache, v_cache, out, lse, scale, causal, cfg, seqused, num_splits, exact_lse=return_lse,
+        window=window, softcap=cap, learnable_sink=sink, pack_gqa=pack,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 

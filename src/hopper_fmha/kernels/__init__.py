@@ -106,7 +106,7 @@ def varlen_forward(
     if cfg.variant != "ws":
         raise NotImplementedError("varlen needs the ws variant")
     features = score_features(causal, window, softcap, learnable_sink)
-    cfg = launch_config(cfg, causal, max_seqlen_k, exact_lse=exact_lse)
+    cfg = launch_config(cfg, causal, max_seqlen_q, exact_lse=exact_lse)
     key = KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg)
     if features is not None:
         key = feature_key(key, features)
@@ -116,6 +116,109 @@ def varlen_forward(
     args = (q, k, v, out, lse, softmax_scale, q.shape[1] // k.shape[1], ctas, lpt_group, counters, slot)
     args += tuple(features) if features is not None else (None, None, None, None)
     fn(*args, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q)
+
+
+def kvcache_forward(
+    q,
+    k_cache,
+    v_cache,
+    out,
+    lse,
+    softmax_scale: float,
+    causal: bool,
+    cfg,
+    cache_seqlens=None,
+    num_splits: int = 1,
+    *,
+    exact_lse: bool = True,
+    window=None,
+    softcap: float = 0.0,
+    learnable_sink=None,
+    pack_gqa: bool | None = None,
+) -> None:
+    """Attention of q (B, Sq, H, D) against a dense KV cache k_cache, v_cache (B, capacity, Hkv,
+    D / Dv), of which sequence b's first cache_seqlens[b] rows count (int32 (B,) on q's device; None:
+    all). num_splits > 1: split-KV, each (query tile, head, batch) in num_splits key ranges whose
+    partials (a workspace reused across calls, `split_workspace`) `combine.combine` merges into out
+    and lse. Score features as `forward`'s. pack_gqa (None: `use_pack_gqa`): the q heads of a kv
+    head share each tile's rows, so a K/V block is read once per kv head."""
+    if cfg.variant != "ws":
+        raise NotImplementedError("a KV cache needs the ws variant")
+    group = q.shape[2] // k_cache.shape[2]
+    if pack_gqa is None:
+        pack_gqa = use_pack_gqa(q.shape[1], group, learnable_sink is not None)
+    features = score_features(causal, window, softcap, learnable_sink)
+    split = num_splits > 1
+    cfg = launch_config(cfg, causal, q.shape[1], exact_lse=exact_lse)
+    key = KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg)
+    if features is not None:
+        key = feature_key(key, features)
+    key = key._replace(seqused_k=cache_seqlens is not None, split_kv=split)
+    if split:
+        key = key._replace(cluster_m=1)  # the CTAs of a pair would take different splits
+    if pack_gqa and group > 1:
+        key = key._replace(pack_gqa=group, cluster_m=1, causal_trim=False)
+    fn = get_kernel(key)
+    ctas, lpt_group = schedule(q, k_cache, causal)
+    if split:
+        lpt_group = 0  # the split scheduler has no longest-first order
+    counters, slot = _tile_counters(q.get_device(), causal)
+    args = (q, k_cache, v_cache, out, lse, softmax_scale, q.shape[2] // k_cache.shape[2], ctas, lpt_group)
+    args += (counters, slot, *(features if features is not None else (None,) * 4))
+    args += (None, None, cache_seqlens, None)
+    if not split:
+        fn(*args)
+        return
+    from .combine import combine
+
+    out_partial, lse_partial = split_workspace(q, out.shape[3], num_splits)
+    fn(*args, out_partial, lse_partial, num_splits)
+    combine(out_partial, lse_partial, out, lse, num_splits)
+
+
+# Split-KV partials, per device: one float32 buffer grown to the largest call's need and reused
+# (views per call), so no call allocates in proportion to anything but its own partials.
+_WORKSPACES: dict = {}
+
+
+def split_workspace(q, head_dim_v: int, num_splits: int):
+    """(out_partial (splits, B, Sq, H, Dv), lse_partial (splits, B, H, Sq)) float32 views of the
+    device's reused workspace. Launches on one stream use it in order; calls on concurrent streams
+    must not share a device's workspace (as the tile counters, one per launch slot, do not)."""
+    import torch
+
+    batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
+    rows = num_splits * batch * seqlen_q * heads
+    need = rows * (head_dim_v + 1)
+    index = q.get_device()
+    buf = _WORKSPACES.get(index)
+    if buf is None or buf.numel() < need:
+        buf = _WORKSPACES[index] = torch.empty(need, dtype=torch.float32, device=q.device)
+    out_partial = buf[: rows * head_dim_v].view(num_splits, batch, seqlen_q, heads, head_dim_v)
+    lse_partial = buf[rows * head_dim_v : need].view(num_splits, batch, heads, seqlen_q)
+    return out_partial, lse_partial
+
+
+# Pack-GQA pays where a tile would hold few query rows of one head (decode); up to this many
+# queries per call (FlashAttention-3 packs for decode and speculative decoding alike).
+PACK_GQA_MAX_SEQLEN_Q = 16
+
+
+def use_pack_gqa(seqlen_q: int, group: int, sink: bool) -> bool:
+    """Whether a call packs the q heads of each kv head into one tile: GQA (group > 1) at decode
+    lengths, without a learnable sink (per-row sinks are not built yet)."""
+    return group > 1 and seqlen_q <= PACK_GQA_MAX_SEQLEN_Q and not sink
+
+
+def num_splits_heuristic(batch: int, heads: int, seqlen_q: int, seqlen_k: int, cfg, num_sms: int) -> int:
+    """Key ranges per query tile for a decode call (flash decoding): 1 where the tiles already
+    fill the SMs; otherwise enough to fill them, at most one per 4 key blocks and at most 64
+    (not yet measured; NOTES "Next"). With pack-GQA pass kv heads and seqlen_q * group."""
+    tiles = batch * heads * -(-seqlen_q // cfg.tile_m)
+    blocks = -(-seqlen_k // cfg.tile_n)
+    if tiles >= num_sms or blocks < 8:
+        return 1
+    return max(1, min(-(-num_sms // tiles), blocks // 4, 64))
 
 
 def varlen_key(key: KernelKey, seqused_k: bool) -> KernelKey:

@@ -53,6 +53,10 @@ class KernelKey(NamedTuple):
     # (h, total_q), cu_seqlens_q/k and max_seqlen_q launch arguments; seqused_k adds (batch,) int32.
     varlen: bool = False
     seqused_k: bool = False
+    # Split-KV: launch arguments mOPartial, mLSEPartial (float32 workspaces) and num_splits.
+    split_kv: bool = False
+    # Pack-GQA: the q heads per kv head whose rows share a tile (1: none).
+    pack_gqa: int = 1
     # v's head dim where it differs from q's (0: the same). head_dim and head_dim_v are the data's;
     # the ws kernel computes with `config.kernel_head_dims` of them.
     head_dim_v: int = 0
@@ -63,9 +67,15 @@ class KernelKey(NamedTuple):
         return bool(self.window) or self.softcap or self.sink
 
     @property
+    def sequence_arguments(self) -> bool:
+        """Whether its kernel takes the sequences' launch arguments (cu_seqlens_q/k, seqused_k,
+        max_seqlen_q; those it does not use None), which split_kv's follow."""
+        return self.varlen or self.seqused_k or self.split_kv
+
+    @property
     def extra_arguments(self) -> bool:
-        """Whether its kernel takes the features' launch arguments (and, varlen, the sequences')."""
-        return self.features or self.varlen
+        """Whether its kernel takes the features' launch arguments (and then the sequences')."""
+        return self.features or self.sequence_arguments
 
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
@@ -100,6 +110,8 @@ class KernelKey(NamedTuple):
             slug += "_sink" if self.sink else ""
             slug += "_varlen" if self.varlen else ""
             slug += "_used" if self.seqused_k else ""
+            slug += "_splitkv" if self.split_kv else ""
+            slug += f"_pack{self.pack_gqa}" if self.pack_gqa > 1 else ""
         return slug
 
 
@@ -170,7 +182,8 @@ def _kernel_object(key: KernelKey):
 def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
     """Compile-time stand-ins for (q, k, v, out, lse, scale, qhead_per_kvhead, [ws: max_ctas,
     lpt_group, tile_counters, counter_slot,] stream[, window_left, window_right, softcap,
-    learnable_sink[, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q]]).
+    learnable_sink[, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q[, out_partial,
+    lse_partial, num_splits]]]).
 
     The score features' four for keys with a score feature or varlen (`KernelKey.extra_arguments`),
     each None where the key does not use it, then varlen's four (seqused_k None unless the key
@@ -229,7 +242,7 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
             cutlass.Float32(1.0) if key.softcap else None,
             sink,
         )
-    if key.variant == "ws" and key.varlen:
+    if key.variant == "ws" and key.sequence_arguments:
 
         def int32_vector():
             return cute.runtime.make_fake_tensor(
@@ -237,7 +250,23 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
             )
 
         used = int32_vector() if key.seqused_k else None
-        features += (int32_vector(), int32_vector(), used, cutlass.Int32(1))
+        if key.varlen:
+            features += (int32_vector(), int32_vector(), used, cutlass.Int32(1))
+        else:
+            features += (None, None, used, None)
+    if key.variant == "ws" and key.split_kv:
+        splits = cute.sym_int()
+        o_partial = cute.runtime.make_fake_tensor(
+            cutlass.Float32,
+            (splits, b, sq, h, dv),
+            stride=tuple(cute.sym_int64(divisibility=4) for _ in range(4)) + (1,),
+            assumed_align=16,
+        )
+        lse_strides = (*(cute.sym_int64() for _ in range(3)), 1)
+        lse_partial = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (splits, b, h, sq), stride=lse_strides, assumed_align=4
+        )
+        features += (o_partial, lse_partial, cutlass.Int32(1))
     return (q, k, v, o, lse, *scalars, stream, *features)
 
 

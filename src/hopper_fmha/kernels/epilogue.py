@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 
 from .seqlen import SeqlenInfo
@@ -191,6 +191,105 @@ class Epilogue:
             if issuer:
                 cute.copy(tma_atom_O, tOsO_tma, tOgO_tma[None, h])
                 cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_partial(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        mOPartial: cute.Tensor,
+        mLSEPartial: cute.Tensor,
+        thr_mma_pv: cute.ThrMma,
+        tidx: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        split: Int32,
+        seqlen: SeqlenInfo,
+        pack_gqa: cutlass.Constexpr[int] = 1,
+    ):
+        """Split-KV: this split's O (fp32, normalized within the split) and LSE straight from the
+        registers to the workspace, mOPartial (splits, b, s_q, h, dv) and mLSEPartial (splits, b,
+        h, s_q): rows inside the sequence and columns inside the data's dv (the kernel's may be
+        padded). Each thread stores its accumulator's column pairs as 8-byte words. pack_gqa > 1:
+        tile rows are packed (`row_of`), `head` the kv head."""
+        cO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        tOcO_mn = cute.make_tensor(cO.iterator, acc_mn_layout(cO.layout))
+        acc_O_mn = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
+        dv = mOPartial.shape[4]
+        rows = seqlen.seqlen_q * pack_gqa
+        if tOcO_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                packed = m_block * self.tile_m + tOcO_mn[r, 0][0]
+                if packed < rows:
+                    row, h = self.row_of(packed, head, pack_gqa)
+                    mLSEPartial[split, batch, h, row] = lse[r]
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+            packed = m_block * self.tile_m + tOcO_mn[r, 0][0]
+            if packed < rows:
+                row, h = self.row_of(packed, head, pack_gqa)
+                o_row = mOPartial[split, batch, row, h, None]
+                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1]) // 2):
+                    col = tOcO_mn[r, 2 * c][1]
+                    if col < dv:
+                        pair = cute.make_rmem_tensor((2,), Float32)
+                        pair[0] = acc_O_mn[r, 2 * c]
+                        pair[1] = acc_O_mn[r, 2 * c + 1]
+                        dst = cute.make_tensor(o_row.iterator + col, cute.make_layout(2))
+                        cute.autovec_copy(pair, dst)
+
+    @cute.jit
+    def store_packed(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        thr_mma_pv: cute.ThrMma,
+        m_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        seqlen: SeqlenInfo,
+        pack_gqa: cutlass.Constexpr[int],
+    ):
+        """Pack-GQA: O (normalized, 16-bit) and LSE of the tile's packed rows straight from the
+        registers to the plain (s, d, h, b) O and (s, h, b) LSE: row R is query R // G of q head
+        head_kv * G + R % G; rows past the sequence and columns past the data's dv are skipped.
+        Column pairs go out as 4-byte words (decode's O is small beside the K/V it reads)."""
+        cO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        tOcO_mn = cute.make_tensor(cO.iterator, acc_mn_layout(cO.layout))
+        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+        convert(acc_O, rO)
+        rO_mn = cute.make_tensor(rO.iterator, acc_mn_layout(rO.layout))
+        dv = mO.shape[1]
+        rows = seqlen.seqlen_q * pack_gqa
+        if tOcO_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                packed = m_block * self.tile_m + tOcO_mn[r, 0][0]
+                if packed < rows:
+                    row, h = self.row_of(packed, head_kv, pack_gqa)
+                    mLSE[row, h, batch] = lse[r]
+        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+            packed = m_block * self.tile_m + tOcO_mn[r, 0][0]
+            if packed < rows:
+                row, h = self.row_of(packed, head_kv, pack_gqa)
+                o_row = mO[row, None, h, batch]
+                for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1]) // 2):
+                    col = tOcO_mn[r, 2 * c][1]
+                    if col < dv:
+                        pair = cute.make_rmem_tensor((2,), self.dtype)
+                        pair[0] = rO_mn[r, 2 * c]
+                        pair[1] = rO_mn[r, 2 * c + 1]
+                        dst = cute.make_tensor(o_row.iterator + col, cute.make_layout(2))
+                        cute.autovec_copy(pair, dst)
+
+    @cute.jit
+    def row_of(self, packed: Int32, head: Int32, pack_gqa: cutlass.Constexpr[int]):
+        """(query row, q head) of tile row `packed` (counted from the sequence's first): itself and
+        `head` without pack-GQA; query packed // G of q head head * G + packed % G with it."""
+        if const_expr(pack_gqa > 1):
+            return packed // pack_gqa, head * pack_gqa + packed % pack_gqa
+        return packed, head
 
     @cute.jit
     def o_rows(self, mO: cute.Tensor, head: Int32, batch: Int32, seqlen: SeqlenInfo) -> cute.Tensor:

@@ -51,6 +51,8 @@ class Mask:
     # and the sizes (runtime Int32, bound in the kernel by `with_window`).
     window_left: cutlass.Constexpr[bool] = False
     window_right: cutlass.Constexpr[bool] = False
+    # Pack-GQA: tile rows are packed rows R of G q heads, query R // G (1: rows are queries).
+    pack_gqa: cutlass.Constexpr[int] = 1
     left: Int32 = None
     right: Int32 = None
 
@@ -69,10 +71,11 @@ class Mask:
         n_max = (seqlen_k + self.tile_n - 1) // self.tile_n
         n_unmasked = seqlen_k // self.tile_n
         if const_expr(self.causal or self.window_right):
-            first_row_limit = m_block * self.tile_m + seqlen_k - seqlen_q + 1  # keys < this: all rows see
+            first_query, span = self.query_range(m_block)
+            first_row_limit = first_query + seqlen_k - seqlen_q + 1  # keys < this: all rows see
             if const_expr(self.window_right):
                 first_row_limit = first_row_limit + self.right
-            last_row_limit = first_row_limit + self.tile_m - 1
+            last_row_limit = first_row_limit + span
             n_max = cutlass.min(n_max, (cutlass.max(last_row_limit, 0) + self.tile_n - 1) // self.tile_n)
             n_unmasked = cutlass.min(n_unmasked, cutlass.max(first_row_limit, 0) // self.tile_n)
         n_unmasked = cutlass.min(n_unmasked, n_max)
@@ -92,13 +95,31 @@ class Mask:
         n_left_masked = 0
         if const_expr(self.window_left):
             # Row i sees keys j >= i + seqlen_k - seqlen_q - left: the tile's first row the fewest.
-            first_row_min = m_block * self.tile_m + seqlen.seqlen_k - seqlen.seqlen_q - self.left
-            last_row_min = first_row_min + self.tile_m - 1  # keys >= this: every row sees
+            first_query, span = self.query_range(m_block)
+            first_row_min = first_query + seqlen.seqlen_k - seqlen.seqlen_q - self.left
+            last_row_min = first_row_min + span  # keys >= this: every row sees
             n_min = cutlass.max(first_row_min, 0) // self.tile_n
             n_left_masked = (cutlass.max(last_row_min, 0) + self.tile_n - 1) // self.tile_n
             n_unmasked = cutlass.max(n_unmasked, n_min)
             n_left_masked = cutlass.min(cutlass.max(n_left_masked, n_min), n_unmasked)
         return n_min, n_max, n_left_masked, n_unmasked
+
+    @cute.jit
+    def query_range(self, m_block: Int32):
+        """(first query index of tile m_block's rows, last minus first: tile_m - 1 without pack)."""
+        first = m_block * self.tile_m
+        if const_expr(self.pack_gqa > 1):
+            first_query = first // self.pack_gqa
+            return first_query, (first + self.tile_m - 1) // self.pack_gqa - first_query
+        return first, self.tile_m - 1
+
+    @cute.jit
+    def query(self, m_block: Int32, r) -> Int32:
+        """The query index of tile row r."""
+        row = m_block * self.tile_m + r
+        if const_expr(self.pack_gqa > 1):
+            return row // self.pack_gqa
+        return row
 
     @cute.jit
     def apply(
@@ -120,15 +141,15 @@ class Mask:
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             col_limit = col_limit_seq
             if const_expr(self.causal):
-                row = m_block * self.tile_m + tScS_mn[r, 0][0]
+                row = self.query(m_block, tScS_mn[r, 0][0])
                 col_limit = cutlass.min(col_limit, row + seqlen_k - seqlen_q + 1 - n_block * self.tile_n)
             if const_expr(self.window_right):
-                row = m_block * self.tile_m + tScS_mn[r, 0][0]
+                row = self.query(m_block, tScS_mn[r, 0][0])
                 col_limit = cutlass.min(
                     col_limit, row + seqlen_k - seqlen_q + 1 + self.right - n_block * self.tile_n
                 )
             if const_expr(self.window_left):
-                row = m_block * self.tile_m + tScS_mn[r, 0][0]
+                row = self.query(m_block, tScS_mn[r, 0][0])
                 col_start = row + seqlen_k - seqlen_q - self.left - n_block * self.tile_n
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                     col = tScS_mn[0, c][1]

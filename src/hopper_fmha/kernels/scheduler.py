@@ -15,11 +15,13 @@ tiles (`next_tile`); tiles that differ in work (causal) go longest first within 
 the next index from a global counter (`counters`, two int32 per launch slot, zero between
 launches: the last CTA to finish sets them back).
 
+Split-KV (`split_kv`): each (query tile, head, batch) is num_splits tiles, one per contiguous
+range of its key blocks; without lpt_group (the kernels pass 0 with split_kv).
 Varlen: tiles are counted up to max_seqlen_q for every sequence; the kernel's producer skips
 those past a sequence's end before announcing any (`WsFwdSm90.skip_empty`), so a batch's tiles
 differ in number without a table of them.
-To come, each one field of the compile key: split-KV (a tile is also a range of key blocks),
-pack-GQA (a tile holds the query rows of several heads sharing one K/V head).
+To come, a field of the compile key: pack-GQA (a tile holds the query rows of several heads
+sharing one K/V head).
 """
 
 from __future__ import annotations
@@ -44,20 +46,26 @@ class TileScheduler:
     sync_threads: cutlass.Constexpr[int]
     barrier_full: cutlass.Constexpr[int]  # the producer has written the next tile index
     barrier_empty: cutlass.Constexpr[int]  # every consumer thread has read it
+    split_kv: cutlass.Constexpr[bool] = False  # a tile is also one of num_splits key ranges
     seqlen_q: Int32 = None
     num_heads: Int32 = None
     num_batch: Int32 = None
     lpt_group: Int32 = None
     s_tile: cute.Tensor = None
     counters: cute.Pointer = None
+    num_splits: Int32 = 1
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def grid(self, seqlen_q: Int32, num_heads: Int32, num_batch: Int32, max_ctas: Int32):
+    def grid(
+        self, seqlen_q: Int32, num_heads: Int32, num_batch: Int32, max_ctas: Int32, num_splits: Int32 = 1
+    ):
         """The launch grid: one CTA per tile (max_ctas = 0), else min(max_ctas, tiles) CTAs
         (rounded to whole clusters) that loop over tiles."""
         num_tiles = cute.ceil_div(cute.size(seqlen_q), self.tile_m * self.cluster_m)
         num_tiles = num_tiles * num_heads * num_batch
+        if const_expr(self.split_kv):
+            num_tiles = num_tiles * num_splits
         num_clusters = num_tiles
         if max_ctas > 0:
             num_clusters = cutlass.min(num_tiles, cutlass.max(max_ctas // self.cluster_m, 1))
@@ -72,10 +80,12 @@ class TileScheduler:
         lpt_group: Int32,
         s_tile: cute.Tensor,
         counters: cute.Pointer,
+        num_splits: Int32 = 1,
     ) -> TileScheduler:
         """This launch's scheduler. lpt_group: > 0 orders tiles longest first (causal) within
         groups of that many (head, batch) pairs. s_tile: the shared-memory word of the announced
-        tile. counters: this launch's two global counters (dynamic)."""
+        tile. counters: this launch's two global counters (dynamic). num_splits (split_kv): key
+        ranges per (query tile, head, batch)."""
         return replace(
             self,
             seqlen_q=seqlen_q,
@@ -84,6 +94,7 @@ class TileScheduler:
             lpt_group=lpt_group,
             s_tile=s_tile,
             counters=counters,
+            num_splits=num_splits,
         )
 
     @cute.jit
@@ -93,11 +104,14 @@ class TileScheduler:
 
     @cute.jit
     def num_tiles(self) -> Int32:
-        return self.num_m_units() * self.num_heads * self.num_batch
+        num = self.num_m_units() * self.num_heads * self.num_batch
+        if const_expr(self.split_kv):
+            num = num * self.num_splits
+        return num
 
     @cute.jit
     def tile_coords(self, tile: Int32):
-        """Tile index -> (m_block, head, batch).
+        """Tile index -> (m_block, head, batch, split); split is the constant 0 without split_kv.
 
         Without lpt_group: m_block fastest, so CTAs running together share one head's K and V.
         With it (causal): (head, batch) pairs form groups of lpt_group; inside a group tiles go
@@ -108,6 +122,12 @@ class TileScheduler:
         num_m = self.num_m_units()
         m_block = tile % num_m
         hb = tile // num_m
+        split = 0
+        if const_expr(self.split_kv):
+            # The splits of one (m_block, head, batch) next to each other: the CTAs that run them
+            # together read disjoint key ranges of the same K and V.
+            split = hb % self.num_splits
+            hb = hb // self.num_splits
         if lpt_group > 0:
             num_hb = num_heads * num_batch
             group_tiles = lpt_group * num_m
@@ -122,7 +142,7 @@ class TileScheduler:
             # The pair's query tiles; past the end for the second CTA when the count is odd
             # (its Q loads as zeros, its O and LSE are clipped or skipped).
             m_block = m_block * self.cluster_m + cute.arch.block_idx_in_cluster()
-        return m_block, hb % num_heads, hb // num_heads
+        return m_block, hb % num_heads, hb // num_heads, split
 
     @cute.jit
     def ctas(self):

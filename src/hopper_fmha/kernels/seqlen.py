@@ -11,8 +11,9 @@ Two layouts, one compile-key field (`varlen`):
     dense   (b, s, h, d) tensors, every sequence the whole of its batch's rows: offsets 0,
             lengths the tensors' s. Needs no reads and emits no code.
     varlen  packed (total, h, d) tensors, seen by the kernel as (total, d, h, 1): sequence b is
-            rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1. With `seqused_k` (a second field), only
-            the first seqused_k[b] of its keys count.
+            rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1.
+A second field, `seqused_k`: only the first seqused_k[b] of a sequence's keys count (a KV cache's
+filled rows, dense or varlen).
 Loads may run past a sequence's end (into the next sequence, or zeros past the tensor): the mask
 hides those keys and the epilogue drops those rows. Stores may not: O's TMA store takes a ragged
 view (`ragged_rows` on the host, `ragged_tile` per tile) whose bound is the sequence's end.
@@ -61,6 +62,9 @@ class SeqlenInfo:
         bad ones cannot write out of bounds even then, a sequence's query rows are cut at the
         packed total, and a negative offset makes it empty (loads are bounded by TMA anyway)."""
         if const_expr(cu_seqlens_q is None):
+            if const_expr(seqused_k is not None):
+                # A dense KV cache: the first seqused_k[batch] of its rows hold keys.
+                return SeqlenInfo(0, seqlen_q_static, 0, cutlass.min(seqused_k[batch], seqlen_k_static))
             return SeqlenInfo(0, seqlen_q_static, 0, seqlen_k_static)
         offset_q = cu_seqlens_q[batch]
         offset_k = cu_seqlens_k[batch]

@@ -169,6 +169,8 @@ class WsFwdSm90:
         varlen: bool = False,
         seqused_k: bool = False,
         head_dim_v: int | None = None,
+        split_kv: bool = False,
+        pack_gqa: int = 1,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         assert (head_dim, head_dim_v) in WS_KERNEL_HEAD_DIMS
@@ -232,7 +234,9 @@ class WsFwdSm90:
         )
         self.trim_half = self.trim and tile_n % 32 == 0  # half of the keys in whole 16-key K blocks
         self.separate_o = not split_o and fits == "own"
-        self.early_q_release = self.separate_o or split_o
+        # Split-KV kernels write O from registers (`Epilogue.store_partial`): Q's buffer is free
+        # after the last GEMM-I, as with an O buffer of its own.
+        self.early_q_release = self.separate_o or split_o or split_kv or pack_gqa > 1
         # release_q_at_qk (overlapped loop): the consumers release Q's buffer in the block step
         # whose GEMM-I is the tile's last (block 0), right after it completes, instead of after
         # the tile's last GEMM-II: the next tile's Q load then has block 0's softmax and GEMM-II
@@ -255,18 +259,39 @@ class WsFwdSm90:
         assert not (self.trim and self.window_left), "causal_trim with a left window is not supported"
         self.softcap = softcap
         self.sink = sink
-        # Packed variable-length sequences (`SeqlenInfo`): cu_seqlens_q/k, and seqused_k.
-        assert varlen or not seqused_k, "seqused_k needs varlen"
+        # Packed variable-length sequences (`SeqlenInfo`): cu_seqlens_q/k; seqused_k (a KV
+        # cache's filled rows, dense or packed).
         self.varlen = varlen
         self.seqused_k = seqused_k
+        # Split-KV: a tile is one of num_splits ranges of its key blocks; it writes a partial O
+        # (fp32, normalized within the split) and LSE to a workspace that `combine` merges. The
+        # sink joins split 0 only. No CTA pairs (the splits of a pair would differ).
+        assert not (split_kv and cluster_m > 1), "split_kv needs cluster_m = 1"
+        self.split_kv = split_kv
+        # Pack-GQA (pack_gqa = G > 1, the q heads per kv head): a tile's rows are the query rows of
+        # the G q heads of one kv head, packed row R = query * G + (q head within the group), so a
+        # K/V block serves all of them (decode: seqlen_q * G rows instead of seqlen_q per tile).
+        # Q arrives by the producer warp's vector loads (`load_q_packed`), O and LSE leave from
+        # registers (`Epilogue.store_packed`), the mask maps packed rows to queries.
+        assert pack_gqa >= 1
+        assert pack_gqa == 1 or not (sink or varlen or cluster_m > 1 or self.trim), (
+            "pack_gqa: no sink, varlen, CTA pairs or causal_trim"
+        )
+        self.pack_gqa = pack_gqa
 
         # The parts (see the module docstring).
-        self.mask = Mask(tile_m, tile_n, causal, self.window_left, self.window_right)
+        self.mask = Mask(tile_m, tile_n, causal, self.window_left, self.window_right, pack_gqa)
         self.loader = TmaLoader(dtype, tile_m, tile_n, head_dim, head_dim_v, cluster_m)
         # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
         # differ in work (causal), else in a fixed serpentine order.
         self.scheduler = TileScheduler(
-            tile_m, cluster_m, causal, 32 + self.num_mma_threads, BARRIER_TILE_FULL, BARRIER_TILE_EMPTY
+            tile_m,
+            cluster_m,
+            causal,
+            32 + self.num_mma_threads,
+            BARRIER_TILE_FULL,
+            BARRIER_TILE_EMPTY,
+            split_kv,
         )
         self.epilogue = Epilogue(
             dtype, tile_m, head_dim_v, self.num_mma_wg, o_buffer, BARRIER_EPILOGUE, BARRIER_O_SLOT
@@ -311,6 +336,9 @@ class WsFwdSm90:
         mCuSeqlensK: cute.Tensor | None = None,
         mSeqUsedK: cute.Tensor | None = None,
         max_seqlen_q: Int32 | None = None,
+        mOPartial: cute.Tensor | None = None,
+        mLSEPartial: cute.Tensor | None = None,
+        num_splits: Int32 | None = None,
     ):
         """Launch over every (m_block, head, batch) tile; `max_ctas` > 0 makes it persistent.
 
@@ -323,7 +351,10 @@ class WsFwdSm90:
         ((h,) float32 logits).
         Varlen, given only to kernels compiled with it: q, k, v, out packed (total, h, d), lse
         (h, total_q); mCuSeqlensQ/K (int32, batch + 1), mSeqUsedK (int32, batch; seqused_k
-        kernels) and max_seqlen_q, which sizes the grid (rows past it are not computed).
+        kernels) and max_seqlen_q, which sizes the grid (rows past it are not computed). Dense
+        seqused_k kernels take mSeqUsedK alone (a KV cache's filled rows).
+        Split-KV, given only to kernels compiled with it: mOPartial (num_splits, b, s_q, h, dv) and
+        mLSEPartial (num_splits, b, h, s_q), float32, and num_splits; O and LSE are not written.
         """
         # Sequence first, as the TMA tiles and WGMMA expect: (s, d, h, b) and LSE (s, h, b).
         if const_expr(self.varlen):
@@ -355,6 +386,8 @@ class WsFwdSm90:
             mQ, mK, mV, sQ_layout, cute.select(sK_layout, mode=[0, 1]), cute.select(sV_layout, mode=[0, 1])
         )
         # O: the whole tile from Q's or its own buffer, or (split_o) 64 x 128 from a warpgroup's.
+        # Pack-GQA: Q and O also as plain (s, d, h, b) tensors (loaded and stored without TMA).
+        mQ_raw, mO_raw = (mQ, mO) if const_expr(self.pack_gqa > 1) else (None, None)
         # Varlen: a ragged view, so that each tile's store clips at its sequence's end.
         sO_layout, o_elems, tma_atom_O, tma_O = self.epilogue.make_atom(
             ragged_rows(mO) if const_expr(self.varlen) else mO
@@ -394,9 +427,14 @@ class WsFwdSm90:
             max_seqlen_q, mCuSeqlensQ, mCuSeqlensK = None, None, None
         if const_expr(not self.seqused_k):
             mSeqUsedK = None
+        if const_expr(not self.split_kv):
+            mOPartial, mLSEPartial, num_splits = None, None, 1
 
         # Tiles (cluster_m = 2: pairs of query tiles), one per cluster at a time.
-        grid = self.scheduler.grid(seqlen_q_grid, mQ.shape[2], num_batch, max_ctas)
+        num_heads_grid = mQ.shape[2]
+        if const_expr(self.pack_gqa > 1):  # tiles of packed rows, per kv head
+            seqlen_q_grid, num_heads_grid = seqlen_q_grid * self.pack_gqa, mK.shape[2]
+        grid = self.scheduler.grid(seqlen_q_grid, num_heads_grid, num_batch, max_ctas, num_splits)
         self.kernel(
             tma_atom_Q,
             tma_Q,
@@ -430,6 +468,11 @@ class WsFwdSm90:
             mCuSeqlensQ,
             mCuSeqlensK,
             mSeqUsedK,
+            mOPartial,
+            mLSEPartial,
+            num_splits,
+            mQ_raw,
+            mO_raw,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -474,6 +517,11 @@ class WsFwdSm90:
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
+        mOPartial: cute.Tensor | None,
+        mLSEPartial: cute.Tensor | None,
+        num_splits: Int32,
+        mQ_raw: cute.Tensor | None,
+        mO_raw: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -557,9 +605,15 @@ class WsFwdSm90:
         else:
             seqlen_q_grid, num_batch = mQ.shape[0], mQ.shape[3]
             seqlens = (mQ.shape[0], mK.shape[0])
+            if const_expr(self.seqused_k):
+                seqlens = (mQ.shape[0], mK.shape[0], None, None, mSeqUsedK)
         s_tile = storage.tile_index.get_tensor(cute.make_layout(1))
         counters = tile_counters.iterator + 2 * counter_slot
-        sched = self.scheduler.create(seqlen_q_grid, num_heads, num_batch, lpt_group, s_tile, counters)
+        if const_expr(self.pack_gqa > 1):
+            seqlen_q_grid, num_heads = seqlen_q_grid * self.pack_gqa, mK.shape[2]
+        sched = self.scheduler.create(
+            seqlen_q_grid, num_heads, num_batch, lpt_group, s_tile, counters, num_splits
+        )
         mask = self.mask
         if const_expr(self.window_left or self.window_right):
             mask = self.mask.with_window(window_left, window_right)
@@ -568,7 +622,7 @@ class WsFwdSm90:
             if warp_idx == 0:
                 self.producer(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_Q, mbar_Q_empty,
-                    pipeline_k, pipeline_v, qhead_per_kvhead, seqlens, sched, mask,
+                    pipeline_k, pipeline_v, qhead_per_kvhead, seqlens, sched, mask, mQ_raw,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -576,7 +630,7 @@ class WsFwdSm90:
             self.consumer(
                 tiled_mma_qk, tiled_mma_pv, tiled_mma_sum, tiled_mma_qk_half, sQ, sK, sV, sO, sOnes, mbar_Q,
                 mbar_Q_empty, pipeline_k, pipeline_v, tma_atom_O, mO, mLSE, scale_log2, tidx, seqlens, sched,
-                mask, softcap_scale, mSink,
+                mask, softcap_scale, mSink, mOPartial, mLSEPartial, mO_raw,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer
@@ -600,6 +654,7 @@ class WsFwdSm90:
         seqlens: tuple,
         sched: TileScheduler,
         mask: Mask,
+        mQ_raw: cute.Tensor | None,
     ):
         """One warp: every TMA load, tile after tile, in the order the consumers use them.
 
@@ -621,17 +676,22 @@ class WsFwdSm90:
         while tile < num_tiles:
             sched.announce(tile, announced)
             announced += 1
-            m_block, head, batch = sched.tile_coords(tile)
+            m_block, head, batch, split = sched.tile_coords(tile)
             head_kv = head // qhead_per_kvhead
+            if const_expr(self.pack_gqa > 1):
+                head_kv = head  # the scheduler's heads are kv heads
             seqlen = SeqlenInfo.create(batch, *seqlens)
-            n_min, n_max, _, _ = self.block_range(mask, m_block, seqlen)
+            n_min, n_max, _, _ = self.block_range(mask, m_block, seqlen, split, sched.num_splits)
             kv = loader.partition(m_block, head, head_kv, batch, seqlen)
             if n_max > n_min:
                 k_state = loader.load_k(kv, pipeline_k, k_state, n_max - 1)
             # Q is loaded for every tile (also one whose rows see no key) so that both sides
             # count Q's phases alike.
             cute.arch.mbarrier_wait(mbar_Q_empty, q_phase ^ 1)
-            loader.load_q(kv, mbar_Q)
+            if const_expr(self.pack_gqa > 1):
+                self.load_q_packed(mQ_raw, sQ, m_block, head_kv, batch, seqlen, mbar_Q)
+            else:
+                loader.load_q(kv, mbar_Q)
             q_phase = q_phase ^ 1
             if n_max > n_min:
                 if const_expr(self.intra_wg_overlap):
@@ -685,6 +745,9 @@ class WsFwdSm90:
         mask: Mask,
         softcap_scale: Float32,
         mSink: cute.Tensor,
+        mOPartial: cute.Tensor,
+        mLSEPartial: cute.Tensor,
+        mO_raw: cute.Tensor,
     ):
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         # smem operand descriptors are per warpgroup; accumulators per thread.
@@ -751,9 +814,11 @@ class WsFwdSm90:
                 # consumer-only bar.sync right after the arrive, are reported clean. One sync of
                 # the consumers per tile.
                 cute.arch.barrier(barrier_id=BARRIER_EPILOGUE, number_of_threads=self.num_mma_threads)
-            m_block, head, batch = sched.tile_coords(tile)
+            m_block, head, batch, split = sched.tile_coords(tile)
             seqlen = SeqlenInfo.create(batch, *seqlens)
-            n_min, n_max, n_left_masked, n_unmasked = self.block_range(mask, m_block, seqlen)
+            n_min, n_max, n_left_masked, n_unmasked = self.block_range(
+                mask, m_block, seqlen, split, sched.num_splits
+            )
             acc_O.fill(0.0)
             if const_expr(self.mma_rowsum):
                 acc_sum.fill(0.0)
@@ -828,13 +893,68 @@ class WsFwdSm90:
             sink_log2 = None
             if const_expr(self.sink):
                 sink_log2 = Float32(mSink[head]) * LOG2_E
+                if const_expr(self.split_kv):
+                    if split > 0:  # the sink joins split 0 only; far below any score, not -inf (nan)
+                        sink_log2 = Float32(-1.0e30)
             lse = softmax.finalize(acc_O, acc_sum, sink_log2)
-            self.epilogue.store(
-                acc_O, lse, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
-                thr_mma_pv, tidx, m_block, head, batch, seqlen,
-            )  # fmt: skip
+            if const_expr(self.split_kv):
+                self.epilogue.store_partial(
+                    acc_O, lse, mOPartial, mLSEPartial, thr_mma_pv, tidx, m_block, head, batch, split, seqlen,
+                    self.pack_gqa,
+                )  # fmt: skip
+            elif const_expr(self.pack_gqa > 1):
+                self.epilogue.store_packed(
+                    acc_O, lse, mO_raw, mLSE, thr_mma_pv, m_block, head, batch, seqlen, self.pack_gqa
+                )
+            else:
+                self.epilogue.store(
+                    acc_O, lse, sO, mbar_Q_empty, tma_atom_O, mO, mLSE, tiled_mma_pv,
+                    thr_mma_pv, tidx, m_block, head, batch, seqlen,
+                )  # fmt: skip
             tile = sched.next_announced()
         self.epilogue.drain(tidx)
+
+    @cute.jit
+    def load_q_packed(
+        self,
+        mQ: cute.Tensor,
+        sQ: cute.Tensor,
+        m_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        seqlen: SeqlenInfo,
+        mbar_Q: cute.Pointer,
+    ):
+        """Pack-GQA, producer warp: the tile's packed rows of Q (row R: query R // G of q head
+        head_kv * G + R % G) from the plain (s, d, h, b) tensor into Q's buffer, 16 bytes per
+        lane and step; rows past the sequence and columns past the data's head dim as zeros. Then
+        Q's barrier (one arrive, no bytes to count)."""
+        group = self.pack_gqa
+        vec = 8  # 16 bytes of fp16/bf16
+        per_row = self.head_dim // vec
+        lane = cute.arch.lane_idx()
+        packed_rows = seqlen.seqlen_q * group
+        data_d = mQ.shape[1]
+        zeros = cute.make_rmem_tensor((vec,), self.dtype)
+        zeros.fill(0.0)
+        # A rolled loop: the producer warp runs on 24-32 registers.
+        for i in cutlass.range(self.tile_m * per_row // 32, unroll=1):
+            unit = lane + 32 * i
+            row = unit // per_row
+            cv = unit % per_row
+            dst = cute.local_tile(sQ[row, None], (vec,), (cv,))
+            packed = m_block * self.tile_m + row
+            if packed < packed_rows and cv * vec < data_d:
+                src = cute.local_tile(
+                    mQ[packed // group, None, head_kv * group + packed % group, batch], (vec,), (cv,)
+                )
+                cute.autovec_copy(src, dst)
+            else:
+                cute.autovec_copy(zeros, dst)
+        cute.arch.fence_view_async_shared()  # visible to the tensor cores' (async proxy) reads
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(mbar_Q)
 
     @cute.jit
     def skip_empty(self, sched: TileScheduler, tile: Int32, cta: Int32, num_ctas: Int32, seqlens: tuple):
@@ -845,7 +965,7 @@ class WsFwdSm90:
             num_tiles = sched.num_tiles()
             searching = tile < num_tiles
             while searching:
-                m_block, _, batch = sched.tile_coords(tile)
+                m_block, _, batch, _ = sched.tile_coords(tile)
                 seqlen = SeqlenInfo.create(batch, *seqlens)
                 searching = False
                 if (m_block - m_block % self.cluster_m) * self.tile_m >= seqlen.seqlen_q:
@@ -854,14 +974,20 @@ class WsFwdSm90:
         return tile
 
     @cute.jit
-    def block_range(self, mask: Mask, m_block: Int32, seqlen: SeqlenInfo):
+    def block_range(self, mask: Mask, m_block: Int32, seqlen: SeqlenInfo, split, num_splits):
         """(n_min, n_max, n_left_masked, n_unmasked) of a tile (`Mask.block_range_local`); without
-        a left window n_min and n_left_masked are the constant 0 and the code is `Mask.block_range`'s."""
+        a left window n_min and n_left_masked are the constant 0 and the code is `Mask.block_range`'s.
+        Split-KV: split `split`'s piece of [n_min, n_max), ceil(blocks / num_splits) blocks each
+        (`emulate.split_block_range`); the mask's bounds stay those of the whole range."""
         if const_expr(self.window_left):
             n_min, n_max, n_left_masked, n_unmasked = mask.block_range_local(m_block, seqlen)
         else:
             n_max, n_unmasked = mask.block_range(m_block, seqlen)
             n_min, n_left_masked = 0, 0
+        if const_expr(self.split_kv):
+            per_split = (n_max - n_min + num_splits - 1) // num_splits
+            n_min = n_min + split * per_split
+            n_max = cutlass.max(cutlass.min(n_min + per_split, n_max), n_min)
         return n_min, n_max, n_left_masked, n_unmasked
 
     @cute.jit

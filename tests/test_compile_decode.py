@@ -1,0 +1,73 @@
+"""Compile tier, decoding against a KV cache: the ws kernel with seqused_k on a dense cache
+(cache_seqlens) and with split_kv (partials to a workspace), each head dim, causal or not, with
+a sink, compile for sm_90a without spills.
+
+Compiled, not run here: tests/test_gpu_kvcache.py checks the numbers on a Hopper GPU.
+"""
+
+import pytest
+from test_compile_ws_features import inspected  # noqa: E402  (tests/ is on sys.path)
+
+from hopper_fmha.config import SUPPORTED_HEAD_DIMS, launch_config, select_config
+from hopper_fmha.kernels import feature_key, num_splits_heuristic, score_features, use_pack_gqa
+from hopper_fmha.kernels.cache import KernelKey
+
+pytestmark = pytest.mark.compile
+
+
+def decode_key(head_dim, causal, split_kv, sink=False) -> KernelKey:
+    cfg = launch_config(select_config(head_dim, "ws"), causal, 1, exact_lse=True)
+    key = KernelKey.from_config("bfloat16", causal, cfg)
+    if sink:
+        key = feature_key(key, score_features(causal, None, 0.0, "sink"))
+    key = key._replace(seqused_k=True, split_kv=split_kv)
+    return key._replace(cluster_m=1) if split_kv else key
+
+
+@pytest.mark.parametrize("split_kv", [False, True], ids=["one", "split"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_decode_kernels_compile_without_spills(head_dim, causal, split_kv, record_property):
+    key = decode_key(head_dim, causal, split_kv, sink=causal)
+    assert key.slug().endswith("_used_splitkv" if split_kv else "_used")
+    row = inspected(key)
+    record_property("kernel_resources", row)
+    assert row["stack_bytes"] == 0, f"{row['stack_bytes']} bytes of stack: registers spill"
+    if "sass_missing" in row:
+        pytest.skip(row["sass_missing"])
+    assert row["ldl"] == 0 and row["stl"] == 0
+    # Split kernels store O from registers (no TMA store); the others through TMA.
+    assert (row["utmastg"] > 0) == (not split_kv)
+
+
+@pytest.mark.parametrize(
+    "head_dim,causal,group,split_kv",
+    [(128, False, 4, False), (128, True, 4, True), (64, True, 8, False), (256, False, 16, True)],
+)
+def test_pack_gqa_compiles_without_spills(head_dim, causal, group, split_kv, record_property):
+    key = decode_key(head_dim, causal, split_kv)._replace(pack_gqa=group, cluster_m=1, causal_trim=False)
+    assert key.slug().endswith(f"_pack{group}")
+    row = inspected(key)
+    record_property("kernel_resources", row)
+    assert row["stack_bytes"] == 0, f"{row['stack_bytes']} bytes of stack: registers spill"
+    if "sass_missing" in row:
+        pytest.skip(row["sass_missing"])
+    assert row["ldl"] == 0 and row["stl"] == 0
+    assert row["utmastg"] == 0  # O leaves from registers
+
+
+def test_use_pack_gqa():
+    assert use_pack_gqa(1, 4, False) and use_pack_gqa(16, 8, False)
+    assert not use_pack_gqa(1, 1, False)  # MHA: nothing to pack
+    assert not use_pack_gqa(17, 4, False)  # prefill lengths
+    assert not use_pack_gqa(1, 4, True)  # a sink per row is not built
+
+
+def test_num_splits_heuristic():
+    cfg = select_config(128, "ws")  # 128 x 128 tiles
+    # Tiles that fill the SMs: no split.
+    assert num_splits_heuristic(64, 32, 1, 8192, cfg, 132) == 1
+    # batch 1, 8 heads, 128k keys: enough splits to fill 132 SMs.
+    assert num_splits_heuristic(1, 8, 1, 131072, cfg, 132) == 17
+    # Few key blocks: no split.
+    assert num_splits_heuristic(1, 8, 1, 512, cfg, 132) == 1

@@ -1,0 +1,93 @@
+"""GPU tier, decoding against a KV cache (`flash_attn_with_kvcache`, dense caches): ragged
+cache_seqlens including 0 and the full capacity, new tokens appended in place and attended in the
+same call, GQA group sizes 1-16 and MQA, split counts forced from 1 to many, causal (bottom-right
+to the cache's end), a sink, LSE returned; against `reference_with_kvcache` by
+tests/test_gpu_kernels.py's rule per sequence, and the appended caches element-wise.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from test_gpu_kernels import assert_close_to_reference  # noqa: E402  (tests/ is on sys.path)
+
+import hopper_fmha
+from hopper_fmha.reference_kvcache import reference_with_kvcache
+
+pytestmark = pytest.mark.gpu
+
+GROUPS = {"mha": (8, 8), "gqa4": (32, 8), "gqa16": (16, 1), "mqa": (8, 1)}
+
+
+def make_cache(batch, capacity, heads, kv_heads, d, seqlen_q, seqlen_new, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads, d, device="cuda", dtype=dtype, generator=g)
+    k_cache = torch.randn(batch, capacity, kv_heads, d, device="cuda", dtype=dtype, generator=g)
+    v_cache = torch.randn(batch, capacity, kv_heads, d, device="cuda", dtype=dtype, generator=g)
+    k = v = None
+    if seqlen_new:
+        k = torch.randn(batch, seqlen_new, kv_heads, d, device="cuda", dtype=dtype, generator=g)
+        v = torch.randn(batch, seqlen_new, kv_heads, d, device="cuda", dtype=dtype, generator=g)
+    # Ragged lengths: 0, full (minus the new tokens), and random ones between.
+    lengths = torch.randint(0, capacity - seqlen_new + 1, (batch,), generator=g, device="cuda")
+    lengths[0] = 0
+    lengths[-1] = capacity - seqlen_new
+    return q, k_cache, v_cache, k, v, lengths.to(torch.int32)
+
+
+def check(q, k_cache, v_cache, k, v, cache_seqlens, causal, num_splits, sink=None):
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    out, lse = hopper_fmha.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, causal=causal, return_lse=True,
+        num_splits=num_splits, learnable_sink=sink,
+    )  # fmt: skip
+    ref_out, ref_lse = reference_with_kvcache(
+        q, ref_k, ref_v, k, v, cache_seqlens=cache_seqlens, causal=causal, learnable_sink=sink
+    )
+    # The appended caches, element-wise.
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    # Each sequence by the tier's rule, on the keys it sees.
+    seqlen_new = 0 if k is None else k.shape[1]
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b]) + seqlen_new
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            continue
+        assert_close_to_reference(
+            q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n], q.shape[3] ** -0.5, causal,
+            out[b : b + 1], lse[b : b + 1], sink=sink,
+        )  # fmt: skip
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0], ids=["one", "three", "auto"])
+@pytest.mark.parametrize("groups", list(GROUPS), ids=list(GROUPS))
+@pytest.mark.parametrize(
+    "seqlen_q,seqlen_new", [(1, 0), (1, 1), (4, 4), (8, 0)], ids=["1", "1+1", "4+4", "8"]
+)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_dense_cache(hopper_gpu, dtype, d, seqlen_q, seqlen_new, groups, num_splits):
+    heads, kv_heads = GROUPS[groups]
+    seed = zlib.crc32(repr((d, seqlen_q, seqlen_new, groups, num_splits, str(dtype))).encode())
+    inputs = make_cache(4, 1000, heads, kv_heads, d, seqlen_q, seqlen_new, dtype, seed)
+    check(*inputs, causal=seqlen_q > 1, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+def test_split_counts_and_sink(hopper_gpu, num_splits):
+    q, k_cache, v_cache, k, v, lengths = make_cache(2, 9000, 8, 2, 128, 1, 1, torch.bfloat16, num_splits)
+    sink = torch.randn(8, device="cuda")
+    check(q, k_cache, v_cache, k, v, lengths, causal=True, num_splits=num_splits, sink=sink)
+
+
+def test_int_cache_seqlens_and_none(hopper_gpu):
+    q, k_cache, v_cache, _, _, _ = make_cache(3, 512, 8, 8, 64, 1, 0, torch.bfloat16, 5)
+    for cache_seqlens in (300, None):
+        out = hopper_fmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens)
+        n = 512 if cache_seqlens is None else cache_seqlens
+        ref = reference_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens)[0]
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
+        assert out.shape == q.shape and n > 0
