@@ -75,7 +75,9 @@ class Mask:
             first_row_limit = first_query + seqlen_k - seqlen_q + 1  # keys < this: all rows see
             if const_expr(self.window_right):
                 first_row_limit = first_row_limit + self.right
-            last_row_limit = first_row_limit + span
+            last_row_limit = first_row_limit + self.tile_m - 1
+            if const_expr(self.pack_gqa > 1):
+                last_row_limit = first_row_limit + span
             n_max = cutlass.min(n_max, (cutlass.max(last_row_limit, 0) + self.tile_n - 1) // self.tile_n)
             n_unmasked = cutlass.min(n_unmasked, cutlass.max(first_row_limit, 0) // self.tile_n)
         n_unmasked = cutlass.min(n_unmasked, n_max)
@@ -97,23 +99,24 @@ class Mask:
             # Row i sees keys j >= i + seqlen_k - seqlen_q - left: the tile's first row the fewest.
             first_query, span = self.query_range(m_block)
             first_row_min = first_query + seqlen.seqlen_k - seqlen.seqlen_q - self.left
-            last_row_min = first_row_min + span  # keys >= this: every row sees
+            last_row_min = first_row_min + self.tile_m - 1  # keys >= this: every row sees
+            if const_expr(self.pack_gqa > 1):
+                last_row_min = first_row_min + span
             n_min = cutlass.max(first_row_min, 0) // self.tile_n
             n_left_masked = (cutlass.max(last_row_min, 0) + self.tile_n - 1) // self.tile_n
             n_unmasked = cutlass.max(n_unmasked, n_min)
             n_left_masked = cutlass.min(cutlass.max(n_left_masked, n_min), n_unmasked)
         return n_min, n_max, n_left_masked, n_unmasked
 
-    @cute.jit
     def query_range(self, m_block: Int32):
-        """(first query index of tile m_block's rows, last minus first: tile_m - 1 without pack)."""
+        """(first query index of tile m_block's rows, last minus first: tile_m - 1 without pack).
+        Plain Python (inlined where called): without pack the code is that of before."""
         first = m_block * self.tile_m
         if const_expr(self.pack_gqa > 1):
             first_query = first // self.pack_gqa
             return first_query, (first + self.tile_m - 1) // self.pack_gqa - first_query
         return first, self.tile_m - 1
 
-    @cute.jit
     def query(self, m_block: Int32, r) -> Int32:
         """The query index of tile row r."""
         row = m_block * self.tile_m + r
