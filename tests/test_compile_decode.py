@@ -1,6 +1,6 @@
 """Compile tier, decoding against a KV cache: the ws kernel with seqused_k on a dense cache
-(cache_seqlens) and with split_kv (partials to a workspace), each head dim, causal or not, with
-a sink, compile for sm_90a without spills.
+(cache_seqlens), with split_kv (partials to a workspace), pack-GQA and paged K/V, each head dim,
+causal or not, with a sink, compile for sm_90a without spills.
 
 Compiled, not run here: tests/test_gpu_kvcache.py checks the numbers on a Hopper GPU.
 """
@@ -8,7 +8,7 @@ Compiled, not run here: tests/test_gpu_kvcache.py checks the numbers on a Hopper
 import pytest
 from test_compile_ws_features import inspected  # noqa: E402  (tests/ is on sys.path)
 
-from hopper_fmha.config import SUPPORTED_HEAD_DIMS, launch_config, select_config
+from hopper_fmha.config import SUPPORTED_HEAD_DIMS, launch_config, paged_tile_n, select_config
 from hopper_fmha.kernels import feature_key, num_splits_heuristic, score_features, use_pack_gqa
 from hopper_fmha.kernels.cache import KernelKey
 
@@ -54,6 +54,34 @@ def test_pack_gqa_compiles_without_spills(head_dim, causal, group, split_kv, rec
         pytest.skip(row["sass_missing"])
     assert row["ldl"] == 0 and row["stl"] == 0
     assert row["utmastg"] == 0  # O leaves from registers
+
+
+@pytest.mark.parametrize(
+    "head_dim,causal,page_size,group,split_kv",
+    [(128, False, 16, 4, False), (128, True, 64, 1, True), (128, False, 256, 4, True),
+     (64, True, 16, 8, False), (256, False, 256, 1, False)],
+)  # fmt: skip
+def test_paged_compiles_without_spills(head_dim, causal, page_size, group, split_kv, record_property):
+    cfg = select_config(head_dim, "ws")
+    cfg = select_config(head_dim, "ws", (cfg.tile_m, paged_tile_n(page_size, cfg.tile_n)))
+    key = KernelKey.from_config("bfloat16", causal, launch_config(cfg, causal, 1, exact_lse=True))
+    key = key._replace(
+        seqused_k=True, split_kv=split_kv, paged=True, cluster_m=1, pack_gqa=group, causal_trim=False
+    )
+    assert key.slug().endswith("_paged") and page_size % key.tile_n == 0
+    row = inspected(key)
+    record_property("kernel_resources", row)
+    assert row["stack_bytes"] == 0, f"{row['stack_bytes']} bytes of stack: registers spill"
+    if "sass_missing" in row:
+        pytest.skip(row["sass_missing"])
+    assert row["ldl"] == 0 and row["stl"] == 0 and row["utmaldg"] > 0
+
+
+def test_paged_tile_n():
+    assert [paged_tile_n(p, 128) for p in (16, 32, 48, 64, 80, 128, 144, 256, 1024)] == [
+        16, 32, 48, 64, 80, 128, 48, 128, 128,
+    ]  # fmt: skip
+    assert paged_tile_n(256, 80) == 64 and paged_tile_n(16, 80) == 16
 
 
 def test_use_pack_gqa():

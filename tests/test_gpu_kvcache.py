@@ -1,4 +1,4 @@
-"""GPU tier, decoding against a KV cache (`flash_attn_with_kvcache`, dense caches): ragged
+"""GPU tier, decoding against a KV cache (`flash_attn_with_kvcache`, dense and paged caches): ragged
 cache_seqlens including 0 and the full capacity, new tokens appended in place and attended in the
 same call, GQA group sizes 1-16 and MQA, split counts forced from 1 to many, causal (bottom-right
 to the cache's end), a sink, LSE returned; against `reference_with_kvcache` by
@@ -91,3 +91,33 @@ def test_int_cache_seqlens_and_none(hopper_gpu):
         ref = reference_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens)[0]
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
         assert out.shape == q.shape and n > 0
+
+
+@pytest.mark.parametrize("num_splits", [1, 0])
+@pytest.mark.parametrize("groups", ["gqa4", "mqa", "mha"])
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_paged_cache(hopper_gpu, dtype, page_size, groups, num_splits):
+    """Random page tables (pages in any order, spare pages), ragged lengths, appends crossing
+    page boundaries; the pages compared element-wise after the call."""
+    heads, kv_heads = GROUPS[groups]
+    batch, pages_per_seq, d, seqlen_new = 3, 2048 // page_size, 128, 5
+    g = torch.Generator(device="cuda").manual_seed(page_size)
+    num_pages = batch * pages_per_seq + 3
+    k_pages = torch.randn(num_pages, page_size, kv_heads, d, device="cuda", dtype=dtype, generator=g)
+    v_pages = torch.randn(num_pages, page_size, kv_heads, d, device="cuda", dtype=dtype, generator=g)
+    table = torch.randperm(num_pages, device="cuda", generator=g)[: batch * pages_per_seq]
+    table = table.view(batch, pages_per_seq).to(torch.int32)
+    q = torch.randn(batch, 1, heads, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(batch, seqlen_new, kv_heads, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(batch, seqlen_new, kv_heads, d, device="cuda", dtype=dtype, generator=g)
+    lengths = torch.tensor([0, page_size - 2, 2048 - seqlen_new], dtype=torch.int32, device="cuda")
+    ref_k, ref_v = k_pages.clone(), v_pages.clone()
+    out, lse = hopper_fmha.flash_attn_with_kvcache(
+        q, k_pages, v_pages, k, v, cache_seqlens=lengths, page_table=table, return_lse=True,
+        num_splits=num_splits,
+    )  # fmt: skip
+    ref_out, ref_lse = reference_with_kvcache(q, ref_k, ref_v, k, v, cache_seqlens=lengths, page_table=table)
+    assert torch.equal(k_pages, ref_k) and torch.equal(v_pages, ref_v)
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=0)

@@ -1,8 +1,9 @@
 """flash_attn_with_kvcache on the CPU: the call path with a reference stand-in for the kernel
 (`kernels.kvcache_forward`): the append happens before the launch and only for accepted calls,
 the lengths the kernel gets (a tensor of cache_seqlens + new tokens, or a cache sliced to an int's
-length), split counts, empty caches, and the errors of the rules the API adds (paged caches not
-yet, num_splits, non-conforming caches). The argument rules themselves: tests/test_kvcache_args.py.
+length; paged: a tensor, and key blocks that divide the page), split counts, empty caches, and
+the errors of the rules the API adds (num_splits, non-conforming caches). The argument rules
+themselves: tests/test_kvcache_args.py.
 """
 
 import math
@@ -36,21 +37,33 @@ def cpu_kernel(monkeypatch):
 
     def kvcache_forward(
         q, k_cache, v_cache, out, lse, scale, causal, cfg, cache_seqlens=None, num_splits=1, *,
-        exact_lse=True, window=None, softcap=0.0, learnable_sink=None, pack_gqa=None,
+        exact_lse=True, window=None, softcap=0.0, learnable_sink=None, pack_gqa=None, page_table=None,
     ):  # fmt: skip
         assert cfg.variant == "ws" and num_splits >= 1
+        if page_table is not None:
+            assert k_cache.shape[1] % cfg.tile_n == 0 and cache_seqlens is not None
         for b in range(q.shape[0]):
             n = k_cache.shape[1] if cache_seqlens is None else int(cache_seqlens[b])
+            keys, values = k_cache[b : b + 1, :n], v_cache[b : b + 1, :n]
+            if page_table is not None:  # the sequence's pages, in its table's order
+                keys = k_cache[page_table[b].long()].flatten(0, 1)[None, :n]
+                values = v_cache[page_table[b].long()].flatten(0, 1)[None, :n]
             o, l = reference(
-                q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n], scale, causal,
+                q[b : b + 1], keys, values, scale, causal,
                 window_size=window or (-1, -1), softcap=softcap, learnable_sink=learnable_sink,
             )  # fmt: skip
             out[b : b + 1] = o
             lse[b : b + 1] = l
         launches.append(
             dict(
-                seqlens=cache_seqlens, splits=num_splits, keys=k_cache.shape[1], causal=causal, pack=pack_gqa
-            )
+                seqlens=cache_seqlens,
+                splits=num_splits,
+                keys=k_cache.shape[1],
+                causal=causal,
+                pack=pack_gqa,
+                table=page_table,
+                tile_n=cfg.tile_n,
+            )  # fmt: skip
         )
 
     from hopper_fmha import kernels
@@ -109,12 +122,27 @@ def test_rejected_calls_write_nothing(cpu_kernel):
     assert torch.equal(k_cache, before) and cpu_kernel == []
 
 
-def test_paged_caches_are_not_supported_yet(cpu_kernel):
-    q = torch.randn(2, 1, 8, 64).to(torch.bfloat16)
-    pages = torch.randn(6, 16, 2, 64).to(torch.bfloat16)
-    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="paged KV caches"):
-        flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=5, page_table=table)
+def test_paged_caches(cpu_kernel):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 1, 8, 64, generator=g).to(torch.bfloat16)
+    k_pages = torch.randn(7, 16, 2, 64, generator=g).to(torch.bfloat16)
+    v_pages = torch.randn(7, 16, 2, 64, generator=g).to(torch.bfloat16)
+    k_new = torch.randn(2, 3, 2, 64, generator=g).to(torch.bfloat16)
+    v_new = torch.randn(2, 3, 2, 64, generator=g).to(torch.bfloat16)
+    table = torch.tensor([[4, 0, 6], [1, 5, 2]], dtype=torch.int32)
+    ref_k, ref_v = k_pages.clone(), v_pages.clone()
+    out, lse = flash_attn_with_kvcache(
+        q, k_pages, v_pages, k_new, v_new, cache_seqlens=15, page_table=table, return_lse=True
+    )
+    ref_out, ref_lse = reference_with_kvcache(
+        q, ref_k, ref_v, k_new, v_new, cache_seqlens=15, page_table=table
+    )
+    assert torch.equal(k_pages, ref_k) and torch.equal(v_pages, ref_v)  # the append crossed a page
+    torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-4)
+    (launch,) = cpu_kernel
+    assert torch.equal(launch["seqlens"], torch.tensor([18, 18], dtype=torch.int32))
+    assert launch["table"] is table and launch["tile_n"] == 16  # blocks of one page each
 
 
 def test_empty_cache_gives_zero_and_minus_inf(cpu_kernel):

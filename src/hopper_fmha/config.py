@@ -120,6 +120,7 @@ class KernelConfig:
     seqused_k: bool = False
     split_kv: bool = False  # per launch too (`kernels.kvcache_forward`)
     pack_gqa: int = 1  # likewise: q heads per kv head packed into a tile's rows (1: none)
+    paged: bool = False  # likewise: K/V in pages through a page table
     # v's head dim where it differs from head_dim (0: the same).
     head_dim_v: int = 0
 
@@ -367,6 +368,8 @@ WS_SWITCHES = (
     "split_kv",
     # Pack-GQA (`kernels/sm90_ws.py`): the q heads of a kv head share a tile (decode).
     "pack_gqa",
+    # Paged K/V (`kernels/loader.py`): a page table per sequence.
+    "paged",
 )
 WS_DERIVED_SWITCHES = ("split_o",)
 
@@ -398,6 +401,7 @@ class WsChoice:
     seqused_k: bool = False
     split_kv: bool = False
     pack_gqa: int = 1
+    paged: bool = False
 
 
 # The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and
@@ -671,3 +675,11 @@ def select_config(
         tile = PAPER_TILE_TABLE[head_dim]
     check_fits(head_dim, *tile)
     return KernelConfig(variant=variant, head_dim=head_dim, tile_m=tile[0], tile_n=tile[1])
+
+
+def paged_tile_n(page_size: int, tile_n: int) -> int:
+    """The key block for a paged KV cache of page_size rows: the largest multiple of 16 up to the
+    table's tile_n that divides page_size, so that each block is one TMA from one page (page sizes
+    are multiples of 16: `kvcache_args`). Pages of 16 take 16-key blocks, of 64 64-key blocks;
+    pages of 256 the table's tile where it divides them (not yet measured)."""
+    return max(n for n in range(16, tile_n + 1, 16) if page_size % n == 0)

@@ -235,11 +235,6 @@ def flash_attn_with_kvcache(
         page_table,
         check_values=varlen_args.varlen_values_checkable(),
     )
-    if shape.paged:
-        raise NotImplementedError(
-            "flash_attn_with_kvcache: paged KV caches (page_table) are not supported yet; pass a dense "
-            "(batch, capacity, kv_heads, head_dim) cache"
-        )
     scale = _check_scale(softmax_scale, shape.head_dim)
     if causal is not True and causal is not False:
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
@@ -256,6 +251,12 @@ def flash_attn_with_kvcache(
     )  # fmt: skip
     if cfg is None:
         cfg = _select(shape.head_dim, causal, shape.capacity, "ws", None, _selector(), head_dim_v)
+    if shape.paged:  # key blocks that are one TMA from one page each
+        tile_n = config.paged_tile_n(shape.page_size, cfg.tile_n)
+        if tile_n != cfg.tile_n:
+            cfg = _select(
+                shape.head_dim, causal, shape.capacity, "ws", (cfg.tile_m, tile_n), _selector(), head_dim_v
+            )
     if _grad_needed(q, q if k is None else k, q if v is None else v, learnable_sink):
         raise RuntimeError(_NO_BACKWARD)
     _check_device(q, k_cache, v_cache)
@@ -274,13 +275,16 @@ def flash_attn_with_kvcache(
     seqused = None  # the keys of each sequence: all of the (sliced) cache, or a tensor of lengths
     if isinstance(cache_seqlens, torch.Tensor):
         seqused = cache_seqlens + shape.seqlen_new if shape.seqlen_new else cache_seqlens
+    elif shape.paged:  # pages have no extent to slice: the lengths as a tensor
+        n = shape.capacity if cache_seqlens is None else int(cache_seqlens) + shape.seqlen_new
+        seqused = torch.full((shape.batch,), n, dtype=torch.int32, device=q.device)
     elif cache_seqlens is not None:
         n = int(cache_seqlens) + shape.seqlen_new
         k_cache, v_cache = k_cache[:, :n], v_cache[:, :n]
     out, lse = _empty_outputs(q, shape.head_dim_v)
     if out.numel() == 0:
         return (out, lse) if return_lse else out
-    if k_cache.shape[1] == 0:
+    if (shape.capacity if shape.paged else k_cache.shape[1]) == 0:
         out.zero_()
         if features is not None and features.sink is not None:
             lse.copy_(features.sink[None, :, None].expand_as(lse))
@@ -301,13 +305,13 @@ def flash_attn_with_kvcache(
             if pack
             else (shape.heads, shape.seqlen_q)
         )
-        num_splits = _kernels.num_splits_heuristic(shape.batch, heads, rows, k_cache.shape[1], cfg, sms)
+        num_splits = _kernels.num_splits_heuristic(shape.batch, heads, rows, shape.capacity, cfg, sms)
     window, cap, sink = None, 0.0, None
     if features is not None:
         window, cap, sink = (features.left, features.right), features.softcap, features.sink
     _kernels.kvcache_forward(
         q, k_cache, v_cache, out, lse, scale, causal, cfg, seqused, num_splits, exact_lse=return_lse,
-        window=window, softcap=cap, learnable_sink=sink, pack_gqa=pack,
+        window=window, softcap=cap, learnable_sink=sink, pack_gqa=pack, page_table=page_table,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

@@ -135,13 +135,16 @@ def kvcache_forward(
     softcap: float = 0.0,
     learnable_sink=None,
     pack_gqa: bool | None = None,
+    page_table=None,
 ) -> None:
     """Attention of q (B, Sq, H, D) against a dense KV cache k_cache, v_cache (B, capacity, Hkv,
     D / Dv), of which sequence b's first cache_seqlens[b] rows count (int32 (B,) on q's device; None:
     all). num_splits > 1: split-KV, each (query tile, head, batch) in num_splits key ranges whose
     partials (a workspace reused across calls, `split_workspace`) `combine.combine` merges into out
     and lse. Score features as `forward`'s. pack_gqa (None: `use_pack_gqa`): the q heads of a kv
-    head share each tile's rows, so a K/V block is read once per kv head."""
+    head share each tile's rows, so a K/V block is read once per kv head. page_table (B, pages per
+    sequence) int32: k_cache, v_cache are (num_pages, page_size, Hkv, D / Dv) pages, cache_seqlens
+    is required, and cfg's tile_n must divide page_size (`config.paged_tile_n`)."""
     if cfg.variant != "ws":
         raise NotImplementedError("a KV cache needs the ws variant")
     group = q.shape[2] // k_cache.shape[2]
@@ -158,6 +161,10 @@ def kvcache_forward(
         key = key._replace(cluster_m=1)  # the CTAs of a pair would take different splits
     if pack_gqa and group > 1:
         key = key._replace(pack_gqa=group, cluster_m=1, causal_trim=False)
+    if page_table is not None:
+        if cache_seqlens is None or k_cache.shape[1] % cfg.tile_n:
+            raise ValueError("paged K/V needs cache_seqlens and a tile_n that divides page_size")
+        key = key._replace(paged=True, cluster_m=1)
     fn = get_kernel(key)
     ctas, lpt_group = schedule(q, k_cache, causal)
     if split:
@@ -166,13 +173,14 @@ def kvcache_forward(
     args = (q, k_cache, v_cache, out, lse, softmax_scale, q.shape[2] // k_cache.shape[2], ctas, lpt_group)
     args += (counters, slot, *(features if features is not None else (None,) * 4))
     args += (None, None, cache_seqlens, None)
+    paged = () if page_table is None else (page_table,)
     if not split:
-        fn(*args)
+        fn(*args, *((None, None, None) + paged if paged else ()))
         return
     from .combine import combine
 
     out_partial, lse_partial = split_workspace(q, out.shape[3], num_splits)
-    fn(*args, out_partial, lse_partial, num_splits)
+    fn(*args, out_partial, lse_partial, num_splits, *paged)
     combine(out_partial, lse_partial, out, lse, num_splits)
 
 

@@ -57,6 +57,8 @@ class KernelKey(NamedTuple):
     split_kv: bool = False
     # Pack-GQA: the q heads per kv head whose rows share a tile (1: none).
     pack_gqa: int = 1
+    # Paged K/V: k, v (num_pages, page_size, h_kv, d) and a page_table launch argument.
+    paged: bool = False
     # v's head dim where it differs from q's (0: the same). head_dim and head_dim_v are the data's;
     # the ws kernel computes with `config.kernel_head_dims` of them.
     head_dim_v: int = 0
@@ -70,7 +72,7 @@ class KernelKey(NamedTuple):
     def sequence_arguments(self) -> bool:
         """Whether its kernel takes the sequences' launch arguments (cu_seqlens_q/k, seqused_k,
         max_seqlen_q; those it does not use None), which split_kv's follow."""
-        return self.varlen or self.seqused_k or self.split_kv
+        return self.varlen or self.seqused_k or self.split_kv or self.paged
 
     @property
     def extra_arguments(self) -> bool:
@@ -112,6 +114,7 @@ class KernelKey(NamedTuple):
             slug += "_used" if self.seqused_k else ""
             slug += "_splitkv" if self.split_kv else ""
             slug += f"_pack{self.pack_gqa}" if self.pack_gqa > 1 else ""
+            slug += "_paged" if self.paged else ""
         return slug
 
 
@@ -214,7 +217,25 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
         stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
         return cute.runtime.make_fake_tensor(dtype, (total, heads, d), stride=stride, assumed_align=16)
 
-    if key.varlen:
+    if key.paged:
+        pages, page_size = cute.sym_int(), cute.sym_int()
+        q, o = bshd(sq, h), bshd(sq, h, dv)
+        k = cute.runtime.make_fake_tensor(
+            dtype,
+            (pages, page_size, hkv, d),
+            stride=(*(cute.sym_int64(divisibility=8) for _ in range(3)), 1),
+            assumed_align=16,
+        )
+        v = cute.runtime.make_fake_tensor(
+            dtype,
+            (pages, page_size, hkv, dv),
+            stride=(*(cute.sym_int64(divisibility=8) for _ in range(3)), 1),
+            assumed_align=16,
+        )
+        lse = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+        )
+    elif key.varlen:
         q, k, v, o = packed(sq, h), packed(sk, hkv), packed(sk, hkv, dv), packed(sq, h, dv)
         lse = cute.runtime.make_fake_tensor(
             cutlass.Float32, (h, sq), stride=(cute.sym_int64(), 1), assumed_align=4
@@ -267,6 +288,14 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
             cutlass.Float32, (splits, b, h, sq), stride=lse_strides, assumed_align=4
         )
         features += (o_partial, lse_partial, cutlass.Int32(1))
+    elif key.variant == "ws" and key.paged:
+        features += (None, None, None)
+    if key.variant == "ws" and key.paged:
+        features += (
+            cute.runtime.make_fake_tensor(
+                cutlass.Int32, (b, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
+            ),
+        )
     return (q, k, v, o, lse, *scalars, stream, *features)
 
 

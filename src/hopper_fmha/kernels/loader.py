@@ -9,8 +9,9 @@ Contract (`TmaLoader`, built from the tile shape and `cluster_m`):
 Today: TMA from dense (s, d, h, b) tensors; with CTA pairs (cluster_m = 2) each CTA loads half of
 every K/V block and multicasts it into both CTAs of the pair.
 Varlen: the batch's rows start at `seqlen.offset_q/offset_k` of packed tensors (`SeqlenInfo.rows`).
-To come, a field of the compile key: paged K/V (blocks gathered through a page table, by TMA
-where a page is a whole block, else cp.async).
+Paged K/V (`paged`): (num_pages, page_size, h_kv, d) caches seen as (page_size, d, h_kv,
+num_pages); each key block is one TMA from the page the page table names, tile_n a divisor of
+page_size (the host picks the tile: `kernels.paged_tile_n`). No CTA pairs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class TmaLoader:
     head_dim: cutlass.Constexpr[int]
     head_dim_v: cutlass.Constexpr[int]
     cluster_m: cutlass.Constexpr[int] = 1
+    # Paged K/V: mK, mV are (page_size, d, h_kv, num_pages) and a sequence's key block n lies in
+    # page page_table[batch, n * tile_n // page_size] (tile_n divides page_size: one TMA per block).
+    paged: cutlass.Constexpr[bool] = False
+    page_table: cute.Tensor = None
     tma_atom_Q: cute.CopyAtom = None
     mQ: cute.Tensor = None
     sQ: cute.Tensor = None
@@ -82,6 +87,7 @@ class TmaLoader:
         tma_atom_V: cute.CopyAtom,
         mV: cute.Tensor,
         sV: cute.Tensor,
+        page_table: cute.Tensor = None,
     ) -> TmaLoader:
         """The producer's loader: the TMA atoms and tensors, the smem buffers (K and V with a
         stage mode), and this CTA's rank in its cluster."""
@@ -97,6 +103,7 @@ class TmaLoader:
             mV=mV,
             sV=sV,
             rank=cute.arch.block_idx_in_cluster(),
+            page_table=page_table,
         )
 
     @cute.jit
@@ -123,7 +130,9 @@ class TmaLoader:
         tVsV, tVgV = cpasync.tma_partition(
             self.tma_atom_V, self.rank, kv_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-        return SimpleNamespace(tQsQ=tQsQ, tQgQ=tQgQ, tKsK=tKsK, tKgK=tKgK, tVsV=tVsV, tVgV=tVgV)
+        return SimpleNamespace(
+            tQsQ=tQsQ, tQgQ=tQgQ, tKsK=tKsK, tKgK=tKgK, tVsV=tVsV, tVgV=tVgV, head_kv=head_kv, batch=batch
+        )
 
     @cute.jit
     def load_q(self, views: SimpleNamespace, mbar_Q: cute.Pointer):
@@ -141,6 +150,10 @@ class TmaLoader:
         n_block: Int32,
     ):
         """K of block n_block into the pipeline's next stage; returns the advanced state."""
+        if const_expr(self.paged):
+            return self.load_block_paged(
+                pipe, state, self.tma_atom_K, self.mK, self.sK, self.head_dim, views, n_block
+            )
         return self.load_block(pipe, state, self.tma_atom_K, views.tKgK, views.tKsK, n_block)
 
     @cute.jit
@@ -152,7 +165,41 @@ class TmaLoader:
         n_block: Int32,
     ):
         """V of block n_block into the pipeline's next stage; returns the advanced state."""
+        if const_expr(self.paged):
+            return self.load_block_paged(
+                pipe, state, self.tma_atom_V, self.mV, self.sV, self.head_dim_v, views, n_block
+            )
         return self.load_block(pipe, state, self.tma_atom_V, views.tVgV, views.tVsV, n_block)
+
+    @cute.jit
+    def load_block_paged(
+        self,
+        pipe: pipeline.PipelineAsync,
+        state: pipeline.PipelineState,
+        tma_atom: cute.CopyAtom,
+        mX: cute.Tensor,
+        sX: cute.Tensor,
+        cols: cutlass.Constexpr[int],
+        views: SimpleNamespace,
+        n_block: Int32,
+    ):
+        """Paged: block n_block of the sequence from its page (the page table's entry for the
+        block's first key) at the block's offset in the page; one TMA, as `load_block`."""
+        page_size = mX.shape[0]
+        first_key = n_block * self.tile_n
+        page = self.page_table[views.batch, first_key // page_size]
+        gX = cute.local_tile(
+            mX[None, None, views.head_kv, page],
+            (self.tile_n, cols),
+            ((first_key % page_size) // self.tile_n, 0),
+        )
+        tXsX, tXgX = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+        )
+        pipe.producer_acquire(state)
+        cute.copy(tma_atom, tXgX, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+        state.advance()
+        return state
 
     @cute.jit
     def load_block(

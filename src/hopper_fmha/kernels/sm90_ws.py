@@ -171,6 +171,7 @@ class WsFwdSm90:
         head_dim_v: int | None = None,
         split_kv: bool = False,
         pack_gqa: int = 1,
+        paged: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         assert (head_dim, head_dim_v) in WS_KERNEL_HEAD_DIMS
@@ -278,10 +279,16 @@ class WsFwdSm90:
             "pack_gqa: no sink, varlen, CTA pairs or causal_trim"
         )
         self.pack_gqa = pack_gqa
+        # Paged K/V (`TmaLoader.paged`): a page table per sequence; keys per sequence from
+        # seqused_k (the cache's capacity is no tensor's extent).
+        assert not paged or (seqused_k and cluster_m == 1 and not varlen), (
+            "paged: seqused_k, no pairs, no varlen"
+        )
+        self.paged = paged
 
         # The parts (see the module docstring).
         self.mask = Mask(tile_m, tile_n, causal, self.window_left, self.window_right, pack_gqa)
-        self.loader = TmaLoader(dtype, tile_m, tile_n, head_dim, head_dim_v, cluster_m)
+        self.loader = TmaLoader(dtype, tile_m, tile_n, head_dim, head_dim_v, cluster_m, paged)
         # Persistent CTAs take tiles from a global counter (first come, first served) when tiles
         # differ in work (causal), else in a fixed serpentine order.
         self.scheduler = TileScheduler(
@@ -339,6 +346,7 @@ class WsFwdSm90:
         mOPartial: cute.Tensor | None = None,
         mLSEPartial: cute.Tensor | None = None,
         num_splits: Int32 | None = None,
+        mPageTable: cute.Tensor | None = None,
     ):
         """Launch over every (m_block, head, batch) tile; `max_ctas` > 0 makes it persistent.
 
@@ -355,6 +363,8 @@ class WsFwdSm90:
         seqused_k kernels take mSeqUsedK alone (a KV cache's filled rows).
         Split-KV, given only to kernels compiled with it: mOPartial (num_splits, b, s_q, h, dv) and
         mLSEPartial (num_splits, b, h, s_q), float32, and num_splits; O and LSE are not written.
+        Paged, given only to kernels compiled with it: k and v (num_pages, page_size, h_kv, d) and
+        mPageTable (b, pages per sequence) int32.
         """
         # Sequence first, as the TMA tiles and WGMMA expect: (s, d, h, b) and LSE (s, h, b).
         if const_expr(self.varlen):
@@ -429,6 +439,8 @@ class WsFwdSm90:
             mSeqUsedK = None
         if const_expr(not self.split_kv):
             mOPartial, mLSEPartial, num_splits = None, None, 1
+        if const_expr(not self.paged):
+            mPageTable = None
 
         # Tiles (cluster_m = 2: pairs of query tiles), one per cluster at a time.
         num_heads_grid = mQ.shape[2]
@@ -473,6 +485,7 @@ class WsFwdSm90:
             num_splits,
             mQ_raw,
             mO_raw,
+            mPageTable,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -522,6 +535,7 @@ class WsFwdSm90:
         num_splits: Int32,
         mQ_raw: cute.Tensor | None,
         mO_raw: cute.Tensor | None,
+        mPageTable: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -606,7 +620,10 @@ class WsFwdSm90:
             seqlen_q_grid, num_batch = mQ.shape[0], mQ.shape[3]
             seqlens = (mQ.shape[0], mK.shape[0])
             if const_expr(self.seqused_k):
-                seqlens = (mQ.shape[0], mK.shape[0], None, None, mSeqUsedK)
+                capacity = mK.shape[0]
+                if const_expr(self.paged):  # the pages of a sequence's table
+                    capacity = mPageTable.shape[1] * mK.shape[0]
+                seqlens = (mQ.shape[0], capacity, None, None, mSeqUsedK)
         s_tile = storage.tile_index.get_tensor(cute.make_layout(1))
         counters = tile_counters.iterator + 2 * counter_slot
         if const_expr(self.pack_gqa > 1):
@@ -622,7 +639,7 @@ class WsFwdSm90:
             if warp_idx == 0:
                 self.producer(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, mbar_Q, mbar_Q_empty,
-                    pipeline_k, pipeline_v, qhead_per_kvhead, seqlens, sched, mask, mQ_raw,
+                    pipeline_k, pipeline_v, qhead_per_kvhead, seqlens, sched, mask, mQ_raw, mPageTable,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -655,6 +672,7 @@ class WsFwdSm90:
         sched: TileScheduler,
         mask: Mask,
         mQ_raw: cute.Tensor | None,
+        mPageTable: cute.Tensor | None,
     ):
         """One warp: every TMA load, tile after tile, in the order the consumers use them.
 
@@ -669,7 +687,7 @@ class WsFwdSm90:
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         num_tiles = sched.num_tiles()
         cta, num_ctas = sched.ctas()
-        loader = self.loader.create(tma_atom_Q, mQ, sQ, tma_atom_K, mK, sK, tma_atom_V, mV, sV)
+        loader = self.loader.create(tma_atom_Q, mQ, sQ, tma_atom_K, mK, sK, tma_atom_V, mV, sV, mPageTable)
         tile = self.skip_empty(sched, cta, cta, num_ctas, seqlens)
         q_phase = Int32(0)
         announced = Int32(0)
