@@ -8,7 +8,13 @@ Compiled, not run here: tests/test_gpu_kvcache.py checks the numbers on a Hopper
 import pytest
 from test_compile_ws_features import inspected  # noqa: E402  (tests/ is on sys.path)
 
-from hopper_fmha.config import SUPPORTED_HEAD_DIMS, launch_config, paged_tile_n, select_config
+from hopper_fmha.config import (
+    SUPPORTED_HEAD_DIMS,
+    launch_config,
+    paged_tile_n,
+    select_config,
+    short_block_stages,
+)
 from hopper_fmha.kernels import feature_key, num_splits_heuristic, score_features, use_pack_gqa
 from hopper_fmha.kernels.cache import KernelKey
 
@@ -65,9 +71,11 @@ def test_paged_compiles_without_spills(head_dim, causal, page_size, group, split
     cfg = select_config(head_dim, "ws")
     cfg = select_config(head_dim, "ws", (cfg.tile_m, paged_tile_n(page_size, cfg.tile_n)))
     key = KernelKey.from_config("bfloat16", causal, launch_config(cfg, causal, 1, exact_lse=True))
+    stages = short_block_stages(*cfg.kernel_dims, cfg.tile_m, cfg.tile_n, key.num_stages)
     key = key._replace(
-        seqused_k=True, split_kv=split_kv, paged=True, cluster_m=1, pack_gqa=group, causal_trim=False
-    )
+        seqused_k=True, split_kv=split_kv, paged=True, cluster_m=1, pack_gqa=group, causal_trim=False,
+        num_stages=stages, sink=group > 1,
+    )  # fmt: skip
     assert key.slug().endswith("_paged") and page_size % key.tile_n == 0
     row = inspected(key)
     record_property("kernel_resources", row)
@@ -88,7 +96,12 @@ def test_use_pack_gqa():
     assert use_pack_gqa(1, 4, False) and use_pack_gqa(16, 8, False)
     assert not use_pack_gqa(1, 1, False)  # MHA: nothing to pack
     assert not use_pack_gqa(17, 4, False)  # prefill lengths
-    assert not use_pack_gqa(1, 4, True)  # a sink per row is not built
+    assert use_pack_gqa(1, 4, True)  # each packed row takes its q head's sink
+
+
+def test_short_block_stages():
+    assert [short_block_stages(128, 128, 128, n, 2) for n in (16, 32, 64, 128)] == [8, 8, 4, 2]
+    assert short_block_stages(256, 256, 128, 64, 2) == 2  # no room for more
 
 
 def test_num_splits_heuristic():

@@ -157,8 +157,10 @@ def test_empty_cache_gives_zero_and_minus_inf(cpu_kernel):
     assert not math.isnan(lse.sum().item())
 
 
-def test_pack_gqa_for_decode_without_a_sink(cpu_kernel):
+def test_pack_gqa_for_decode(cpu_kernel):
     q, k_cache, v_cache, _, _ = cache()  # 8 q heads on 2 kv heads, one query
     flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
     flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, learnable_sink=torch.zeros(8))
-    assert [launch["pack"] for launch in cpu_kernel] == [True, False]
+    mha = cache(kv_heads=8)
+    flash_attn_with_kvcache(*mha[:3], cache_seqlens=5)
+    assert [launch["pack"] for launch in cpu_kernel] == [True, True, False]

@@ -683,3 +683,18 @@ def paged_tile_n(page_size: int, tile_n: int) -> int:
     are multiples of 16: `kvcache_args`). Pages of 16 take 16-key blocks, of 64 64-key blocks;
     pages of 256 the table's tile where it divides them (not yet measured)."""
     return max(n for n in range(16, tile_n + 1, 16) if page_size % n == 0)
+
+
+def short_block_stages(head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_stages: int) -> int:
+    """K/V stages for short key blocks (paged caches with small pages): as many as keep about
+    256 keys in flight (what two stages of 128 hold: a decode step is bound by memory, and the
+    loads in flight set its bandwidth), at most 8, fewer where shared memory runs out; never
+    fewer than num_stages. Not yet measured."""
+    stages = max(num_stages, min(8, 256 // tile_n))
+    while stages > num_stages:
+        try:
+            check_fits_ws(head_dim, tile_m, tile_n, stages, head_dim_v=head_dim_v)
+            return stages
+        except ValueError:
+            stages -= 1
+    return num_stages

@@ -1,8 +1,9 @@
 """The benchmark suite behind `hopper-fmha bench`: the only source of performance claims.
 
 flops     the one FLOP formula
-registry  backends by name (this package, SDPA flash/efficient/cuDNN, FA4, FA3) and `Problem`
-presets   the paper / sweep / tiles / host / varlen grids
+registry  backends by name (this package, SDPA flash/efficient/cuDNN, FA4, FA3, the copy
+          yardstick) and `Problem`
+presets   the paper / sweep / tiles / host / varlen / decode grids
 timing    CUDA-event timing of eager calls and CUDA-graph replays, interleaved rounds,
           input rotation, pre-heat and matmul rate
 runner    inputs, correctness check against the reference, one record per (problem, backend)

@@ -39,13 +39,19 @@ presets:
   varlen  packed batches: 24 sequences of 256..4096 tokens (uniform, fixed seed), H 32/8, bf16,
           d 64/128, causal off/on, each with its dense twin (B=24, N = RMS length); backends
           hopper-fmha:auto, fa4, hopper-fmha:padded; reports ours ÷ FA4 and ÷ dense twin (8 problems)
+  decode  one decode step against a KV cache, bf16, H 32/8, d 128: B64 with 8192 cached tokens
+          (full, ragged, paged 16/64/256), B1 and B4 with 131072 (split-KV), B64 with 4 causal
+          queries; backends hopper-fmha:auto, sdpa-cudnn, fa4, copy; reports TB/s of K/V read,
+          ours ÷ best peer, % of a device-to-device copy, paged ÷ dense (8 problems)
 
 backends (--backends, comma separated): hopper-fmha (every variant), hopper-fmha:<variant>,
   hopper-fmha:<variant>@<M>x<N>, a "+lse" suffix (return_lse=True), sdpa-flash (FA2),
   sdpa-efficient (CUTLASS mem-eff), sdpa-cudnn, fa4, fa3, hopper-fmha:padded (varlen problems
-  only: our dense kernel on the zero-padded batch). Default: hopper-fmha, sdpa-flash,
+  only: our dense kernel on the zero-padded batch), copy (decode problems only: a device-to-device
+  copy of the K/V bytes, the bandwidth yardstick). Default: hopper-fmha, sdpa-flash,
   sdpa-efficient, sdpa-cudnn, fa4, fa3. On varlen problems only ours (auto, ws), fa4 and
-  hopper-fmha:padded run; the others are reported as skipped.
+  hopper-fmha:padded run; on decode problems ours (auto, ws), SDPA (dense caches), fa4 and copy;
+  the others are reported as skipped.
 
 timing: per problem every backend is checked, warmed up and captured, then the GPU is pre-heated
   (0.3 s of matmuls) and all backends are timed in --rounds interleaved rounds (eager and graph

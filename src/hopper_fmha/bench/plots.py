@@ -44,8 +44,9 @@ def _x_label(p, panel) -> str:
 
 
 def plot_bars(results: dict, path: Path, dtype: str, mode: str = PRIMARY) -> Path | None:
-    """One chart for one dtype: panels (causal x head dim), x = seqlen, bars = backends."""
-    groups = [(p, recs) for p, recs in by_problem(results) if p.dtype == dtype]
+    """One chart for one dtype: panels (causal x head dim), x = seqlen, bars = backends. Decode
+    problems are left out (their figure is TB/s: the report's decode table)."""
+    groups = [(p, recs) for p, recs in by_problem(results) if p.dtype == dtype and not p.kvcache]
     backends = [b for b in backends_in(results) if "@" not in b[0]]
     if not groups or not backends:
         return None

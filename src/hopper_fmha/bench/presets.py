@@ -21,6 +21,21 @@ varlen: packed batches of mixed lengths: 24 sequences, lengths drawn uniformly f
        L², and tokens), the same heads, d, dtype and causal. The report gives, per varlen
        problem, ours ÷ FA4 (target ≥ 1.0) and ours on it ÷ the same backend on its twin
        (target ≥ 0.95: varlen costs at most 5% over a dense batch of the same work).
+decode: one decode step against a KV cache, bf16, 32 q heads / 8 kv heads, d = 128, no tokens
+       appended in the timed call: (a) batch 64 at 8192 cached tokens, one query token, full
+       cache; (b) the same with ragged lengths, drawn uniformly from the integers 1..8192
+       (`random.Random(0).randint`: `decode_lengths`, 270,570 tokens in all, 52% of the
+       capacity); (c) the same as (a) paged, at page sizes 16, 64 and 256 (the pages shuffled:
+       `runner.page_table`); (d) batch 1 and 4 at 131072 cached tokens (split-KV); (e)
+       speculative decoding: (a) with 4 query tokens, causal. Backends: ours
+       (`flash_attn_with_kvcache`), cuDNN (SDPA, dense caches), FA4 (dense and paged) and the
+       `copy` yardstick (`registry` docstring). Bytes = K and V of the tokens attended
+       (`Problem.kv_bytes`): 2 GiB in every cell but (b) (1.03 GiB) and batch 1 (0.5 GiB); one
+       input set holds the whole cache (2 GiB; batch 1: 0.5 GiB), so 2 sets rotate (> 2×L2), and
+       the copy adds two buffers of the bytes read per set: at most about 12 GiB per cell. The
+       report's decode table gives per cell TB/s, ours ÷ the best peer (target ≥ 1.0), % of the
+       copy, and ours ÷ ours on the twin (`decode_twin`: paged ÷ dense, target ≥ 0.9; ragged ÷
+       full, the cost in proportion to the tokens read).
 """
 
 from __future__ import annotations
@@ -30,7 +45,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from hopper_fmha.bench.registry import Problem
+from hopper_fmha.bench.registry import COPY, Problem
 
 HIDDEN = 2048
 TOKENS = 16384
@@ -123,7 +138,38 @@ def varlen() -> Preset:
     return Preset("varlen", tuple(problems), ("hopper-fmha:auto", "fa4", "hopper-fmha:padded"))
 
 
-PRESETS = {"paper": paper, "sweep": sweep, "tiles": tiles, "host": host, "varlen": varlen}
+DECODE_SEED = 0
+DECODE_PAGE_SIZES = (16, 64, 256)
+
+
+def decode_lengths(batch: int, capacity: int, seed: int = DECODE_SEED) -> tuple[int, ...]:
+    """`batch` cache lengths drawn uniformly from the integers 1..capacity by Python's own
+    generator (the same on every machine)."""
+    rng = random.Random(seed)
+    return tuple(rng.randint(1, capacity) for _ in range(batch))
+
+
+def decode_twin(p: Problem) -> Problem | None:
+    """The cell a decode problem is compared with: a paged one's dense cache, else a ragged one's
+    full cache; None for a dense full cache."""
+    if p.page_size:
+        return dataclasses.replace(p, page_size=None)
+    if p.cache_seqlens:
+        return dataclasses.replace(p, cache_seqlens=None)
+    return None
+
+
+def decode() -> Preset:
+    shape = {"heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
+    dense = Problem.decode(64, 8192, **shape)
+    problems = [dense, Problem.decode(64, 8192, **shape, cache_seqlens=decode_lengths(64, 8192))]
+    problems += [dataclasses.replace(dense, page_size=n) for n in DECODE_PAGE_SIZES]
+    problems += [Problem.decode(b, 131072, **shape) for b in (1, 4)]
+    problems.append(Problem.decode(64, 8192, **shape, seqlen_q=4, causal=True))
+    return Preset("decode", tuple(problems), ("hopper-fmha:auto", "sdpa-cudnn", "fa4", COPY))
+
+
+PRESETS = {"paper": paper, "sweep": sweep, "tiles": tiles, "host": host, "varlen": varlen, "decode": decode}
 
 
 def get_preset(name: str) -> Preset:

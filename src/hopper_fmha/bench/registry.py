@@ -23,6 +23,20 @@ output unpadded before the check, its FLOPs those of the real tokens). Every oth
 them. Without a key-padding mask, the padded call's rows also attend to the padded (zero) keys
 unless the mask is causal (a row never sees the keys past its own sequence's end): non-causal,
 its output is not the varlen answer and is timed unchecked (`PADDED_UNCHECKED`).
+
+Decode problems (`Problem.kvcache`: a few query tokens against a KV cache) take the inputs (q,
+k_cache, v_cache, cache_seqlens, page_table) and a backend's `kvcache` builder; no new tokens are
+appended in the timed call, so it is idempotent and can be captured in a CUDA graph. Ours:
+`flash_attn_with_kvcache` (auto and ws, with a schedule or +lse). `fa4`: FlashAttention-4's cute
+interface has no `flash_attn_with_kvcache`; its `flash_attn_varlen_func` takes the same call (a
+batch-major q and cache, `seqused_k` = cache_seqlens, `page_table`), with its default num_splits
+= 1, as its sm90 path refuses split-KV ("SplitKV not supported on SM 9.0"). SDPA (`sdpa-cudnn`,
+and `sdpa-flash` / `sdpa-efficient` alike): dense caches only (paged ones skip), the cache as K
+and V with enable_gqa; where some keys are hidden (ragged lengths, or causal with seqlen_q > 1) a
+boolean mask (`decode_mask`) hides them, so SDPA still reads the whole capacity: its time is that
+of the same answer, not of the tokens read. `copy` (`COPY`): the bandwidth yardstick, a
+device-to-device copy (`dst.copy_(src)`, cudaMemcpy) of `Problem.kv_bytes` bytes, timed in the
+same run as the kernels; its output is not attention and is not checked (`COPY_UNCHECKED`).
 """
 
 from __future__ import annotations
@@ -52,7 +66,14 @@ class Problem:
     `seqlen_k` keys. Varlen (`seqlens` given, `Problem.varlen`): one packed batch of
     len(seqlens) sequences, sequence b with seqlens[b] queries and as many keys; batch is then
     the number of sequences and seqlen_q = seqlen_k the longest. FLOPs and bytes count the real
-    tokens of each sequence."""
+    tokens of each sequence.
+
+    Decode (`kvcache`, `Problem.decode`): `batch` sequences of `seqlen_q` query tokens against a
+    KV cache of capacity `seqlen_k` tokens per sequence, of which sequence b holds
+    cache_seqlens[b] (None: all full); dense caches (batch, capacity, kv_heads, d), or paged ones
+    of `page_size` tokens per page. The bytes are the K and V of the tokens attended
+    (`kv_bytes`); the FLOPs 4·H·seqlen_q·len·d per sequence, not halved for causal (a few
+    queries at the end of a long cache see nearly every key)."""
 
     batch: int
     seqlen_q: int
@@ -63,6 +84,9 @@ class Problem:
     causal: bool = False
     dtype: str = "float16"
     seqlens: tuple[int, ...] | None = None
+    kvcache: bool = False
+    cache_seqlens: tuple[int, ...] | None = None
+    page_size: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
@@ -81,6 +105,27 @@ class Problem:
                     f"a varlen problem has batch = len(seqlens) = {len(lens)} and seqlen_q = seqlen_k = "
                     f"max(seqlens) = {max(lens)}, got {self.batch}, {self.seqlen_q}, {self.seqlen_k}"
                 )
+        if self.kvcache:
+            self._check_cache()
+        elif self.cache_seqlens is not None or self.page_size is not None:
+            raise ValueError("cache_seqlens and page_size belong to decode problems (kvcache=True)")
+
+    def _check_cache(self) -> None:
+        if self.seqlens is not None:
+            raise ValueError("a decode problem has a cache per sequence, not packed seqlens")
+        if self.cache_seqlens is not None:
+            lens = tuple(int(n) for n in self.cache_seqlens)
+            if len(lens) != self.batch or not all(1 <= n <= self.seqlen_k for n in lens):
+                raise ValueError(
+                    f"cache_seqlens must be {self.batch} lengths (the batch) in 1..{self.seqlen_k} (the "
+                    f"capacity), got {lens}"
+                )
+            # All full is the full cache: one problem, one label.
+            object.__setattr__(self, "cache_seqlens", None if min(lens) == self.seqlen_k else lens)
+        if self.page_size is not None and (self.page_size < 1 or self.seqlen_k % self.page_size):
+            raise ValueError(
+                f"page_size must be a positive divisor of the capacity {self.seqlen_k}, got {self.page_size}"
+            )
 
     @classmethod
     def varlen(
@@ -90,6 +135,38 @@ class Problem:
         lens = tuple(seqlens)
         top = max(lens, default=0)
         return cls(len(lens), top, top, heads, kv_heads, head_dim, causal, dtype, lens)
+
+    @classmethod
+    def decode(
+        cls,
+        batch: int,
+        capacity: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        seqlen_q: int = 1,
+        causal: bool = False,
+        dtype: str = "bfloat16",
+        cache_seqlens=None,
+        page_size: int | None = None,
+    ) -> Problem:
+        """`seqlen_q` new query tokens per sequence against a KV cache of `capacity` tokens per
+        sequence, holding cache_seqlens[b] of them (None: full); paged when page_size is given."""
+        lens = None if cache_seqlens is None else tuple(cache_seqlens)
+        shape = (batch, seqlen_q, capacity, heads, kv_heads, head_dim, causal, dtype)
+        return cls(*shape, kvcache=True, cache_seqlens=lens, page_size=page_size)
+
+    @property
+    def cache_lengths(self) -> tuple[int, ...]:
+        """Decode: the tokens each sequence attends (its cache_seqlens, else the capacity)."""
+        return self.cache_seqlens or (self.seqlen_k,) * self.batch
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V over the keys attended, each read once: decode's bytes, the sum over
+        sequences of length · kv_heads · (d + dv) · 2 bytes."""
+        keys = sum(self.cache_lengths) if self.kvcache else self._rows()[1]
+        return keys * self.kv_heads * 2 * self.head_dim * 2
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -102,6 +179,9 @@ class Problem:
 
     @property
     def flops(self) -> float:
+        if self.kvcache:
+            per_key = attention_flops(1, self.heads, self.seqlen_q, 1, self.head_dim)
+            return per_key * sum(self.cache_lengths)
         if self.seqlens is None:
             return attention_flops(
                 self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim, self.causal
@@ -116,7 +196,8 @@ class Problem:
 
     @property
     def input_bytes(self) -> int:
-        """Bytes of q, k, v and the output: what one call reads and writes."""
+        """Bytes of q, k, v and the output: what one call reads and writes (decode: what one input
+        set holds, the whole capacity of the cache)."""
         q_rows, k_rows = self._rows()
         return 2 * (2 * q_rows * self.heads * self.head_dim + 2 * k_rows * self.kv_heads * self.head_dim)
 
@@ -126,6 +207,8 @@ class Problem:
         return 2 * self._rows()[0] * self.heads * self.head_dim
 
     def label(self) -> str:
+        if self.kvcache:
+            return self._decode_label()
         if self.seqlens is not None:
             seq = f"varlen{self.batch} L{min(self.seqlens)}-{self.seqlen_q}"
         elif self.seqlen_q == self.seqlen_k:
@@ -136,13 +219,23 @@ class Problem:
         causal = " causal" if self.causal else ""
         return f"{seq} {heads} d{self.head_dim} {_DTYPE_SHORT[self.dtype]}{causal}"
 
+    def _decode_label(self) -> str:
+        """E.g. "decode B64 L8192 H32/8 d128 bf16 q1 paged64 ragged"."""
+        heads = f"H{self.heads}" if self.kv_heads == self.heads else f"H{self.heads}/{self.kv_heads}"
+        words = [f"decode B{self.batch} L{self.seqlen_k} {heads} d{self.head_dim}"]
+        words.append(f"{_DTYPE_SHORT[self.dtype]} q{self.seqlen_q}")
+        words += ["causal"] * self.causal + [f"paged{self.page_size}"] * bool(self.page_size)
+        return " ".join(words + ["ragged"] * bool(self.cache_seqlens))
+
     def to_dict(self) -> dict:
-        """The fields as JSON takes them; a dense problem has no `seqlens` key."""
+        """The fields as JSON takes them; a field at its default (seqlens, the decode fields) has
+        no key, so dense problems read as before."""
         d = asdict(self)
-        if self.seqlens is None:
-            del d["seqlens"]
-        else:
-            d["seqlens"] = list(self.seqlens)
+        for key in ("seqlens", "kvcache", "cache_seqlens", "page_size"):
+            if d[key] in (None, False):
+                del d[key]
+            elif isinstance(d[key], tuple):
+                d[key] = list(d[key])
         return d
 
     @classmethod
@@ -159,7 +252,8 @@ class BackendSkip(Exception):
         self.status = status
 
 
-# build(problem, q, k, v), or for a varlen problem build(problem, q, k, v, cu_seqlens).
+# build(problem, q, k, v); for a varlen problem build(problem, q, k, v, cu_seqlens); for a decode
+# problem build(problem, q, k_cache, v_cache, cache_seqlens, page_table).
 Builder = Callable[..., Callable[[], Any]]
 
 
@@ -176,9 +270,16 @@ class Backend:
     # so that per-call host overhead is the call's own.
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     varlen: Builder | None = None  # builds the call on a varlen problem's packed inputs
+    kvcache: Builder | None = None  # builds the call on a decode problem's cache
+    unchecked: str | None = None  # why its output is not checked (not attention), if it is not
 
     def make(self, p: Problem, *inputs) -> Callable[[], Any]:
-        """The call on one input set: `build` for a dense problem, `varlen` for a varlen one."""
+        """The call on one input set: `build` for a dense problem, `varlen` for a varlen one,
+        `kvcache` for a decode one."""
+        if p.kvcache:
+            if self.kvcache is None:
+                raise BackendSkip(f"{self.name} has no KV-cache (decode) call in this bench")
+            return self.kvcache(p, *inputs)
         if p.seqlens is None:
             return self.build(p, *inputs)
         if self.varlen is None:
@@ -186,7 +287,25 @@ class Backend:
         return self.varlen(p, *inputs)
 
 
-def _sdpa_backend(attr: str) -> tuple[Builder, Callable[[], contextlib.AbstractContextManager]]:
+def decode_mask(p: Problem, device=None):
+    """A decode problem's keys as SDPA's boolean attn_mask (True: attended), broadcast over heads:
+    key j of sequence b counts for query row i iff j < len_b and, causal, j <= i + len_b - seqlen_q
+    (bottom-right aligned). (batch, 1, seqlen_q, capacity), or (1, 1, seqlen_q, capacity) for a
+    full cache; None where every key counts (full and not causal)."""
+    import torch
+
+    if p.cache_seqlens is None and not p.causal:
+        return None
+    lens = torch.tensor(p.cache_seqlens or (p.seqlen_k,), device=device)[:, None, None, None]
+    rows = torch.arange(p.seqlen_q, device=device)[:, None]
+    keys = torch.arange(p.seqlen_k, device=device)
+    mask = keys < lens
+    if p.causal:
+        mask = mask & (keys <= rows + lens - p.seqlen_q)
+    return mask
+
+
+def _sdpa_backend(attr: str) -> tuple[Builder, Builder, Callable[[], contextlib.AbstractContextManager]]:
     def context():
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -206,7 +325,16 @@ def _sdpa_backend(attr: str) -> tuple[Builder, Callable[[], contextlib.AbstractC
             kwargs["enable_gqa"] = True
         return lambda: F.scaled_dot_product_attention(qt, kt, vt, **kwargs)
 
-    return build, context
+    def build_kvcache(p: Problem, q, k_cache, v_cache, cache_seqlens, page_table):
+        import torch.nn.functional as F
+
+        if page_table is not None:
+            raise BackendSkip("SDPA takes dense K and V: no paged cache")
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k_cache, v_cache))
+        kwargs = {"attn_mask": decode_mask(p, q.device), "enable_gqa": p.kv_heads != p.heads}
+        return lambda: F.scaled_dot_product_attention(qt, kt, vt, **kwargs)
+
+    return build, build_kvcache, context
 
 
 def _import_skip(module: str, attr: str):
@@ -230,6 +358,12 @@ def _build_fa4_varlen(p: Problem, q, k, v, cu_seqlens):
         q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
         max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k, causal=p.causal,
     )  # fmt: skip
+
+
+def _build_fa4_kvcache(p: Problem, q, k_cache, v_cache, cache_seqlens, page_table):
+    fn = _import_skip("flash_attn.cute", "flash_attn_varlen_func")
+    kwargs = {"seqused_k": cache_seqlens, "page_table": page_table, "causal": p.causal}
+    return lambda: fn(q, k_cache, v_cache, **kwargs)  # the module docstring says why this call
 
 
 def _build_fa3(p: Problem, q, k, v):
@@ -291,10 +425,20 @@ def _ours(
         lens = (cu_seqlens, cu_seqlens, p.seqlen_q, p.seqlen_k)
         return scheduled(lambda: fn(q, k, v, *lens, causal=p.causal, return_lse=lse, tile=tile))
 
+    def build_kvcache(p: Problem, q, k_cache, v_cache, cache_seqlens, page_table):
+        if variant not in (None, "ws"):
+            raise BackendSkip(f"flash_attn_with_kvcache runs the ws kernel only, not {variant}")
+        if tile is not None:
+            raise BackendSkip("flash_attn_with_kvcache takes no tile override")
+        checked(p, "ws")
+        fn = _import_skip("hopper_fmha", "flash_attn_with_kvcache")
+        kwargs = {"cache_seqlens": cache_seqlens, "page_table": page_table, "causal": p.causal}
+        return scheduled(lambda: fn(q, k_cache, v_cache, **kwargs, return_lse=lse))
+
     name = f"hopper-fmha:{variant or AUTO}" + (f"@{tile[0]}x{tile[1]}" if tile else "")
     name += f"/{schedule}" if schedule else ""
     name += "+lse" if lse else ""
-    return Backend(name=name, label=name, build=build, ours=True, varlen=build_varlen)
+    return Backend(name=name, label=name, build=build, ours=True, varlen=build_varlen, kvcache=build_kvcache)
 
 
 # Our dense kernel on a varlen problem's batch padded to the longest sequence (module docstring).
@@ -335,6 +479,25 @@ def _padded() -> Backend:
     return Backend(PADDED, "padded", build, layout="padded", ours=True, varlen=build_varlen)
 
 
+# The bandwidth yardstick of decode problems (module docstring).
+COPY = "copy"
+COPY_UNCHECKED = "not checked: a device-to-device copy of the K/V bytes, the bandwidth yardstick"
+
+
+def _copy() -> Backend:
+    def build(p: Problem, *inputs):
+        raise BackendSkip(f"{COPY} (the bandwidth yardstick) runs decode problems only")
+
+    def build_kvcache(p: Problem, q, k_cache, v_cache, cache_seqlens, page_table):
+        import torch
+
+        src = torch.empty(p.kv_bytes, dtype=torch.uint8, device=q.device)  # its values do not matter
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+
+    return Backend(COPY, "copy", build, kvcache=build_kvcache, unchecked=COPY_UNCHECKED)
+
+
 def _peers() -> dict[str, Backend]:
     peers = {}
     for name, label, attr in (
@@ -342,15 +505,15 @@ def _peers() -> dict[str, Backend]:
         ("sdpa-efficient", "mem-eff", "EFFICIENT_ATTENTION"),
         ("sdpa-cudnn", "cuDNN", "CUDNN_ATTENTION"),
     ):
-        build, context = _sdpa_backend(attr)
-        peers[name] = Backend(name=name, label=label, build=build, layout="bhsd", context=context)
-    peers["fa4"] = Backend(name="fa4", label="FA4", build=_build_fa4, varlen=_build_fa4_varlen)
+        build, kvcache, context = _sdpa_backend(attr)
+        peers[name] = Backend(name, label, build, layout="bhsd", context=context, kvcache=kvcache)
+    peers["fa4"] = Backend("fa4", "FA4", _build_fa4, varlen=_build_fa4_varlen, kvcache=_build_fa4_kvcache)
     peers["fa3"] = Backend(name="fa3", label="FA3", build=_build_fa3)
     return peers
 
 
 # Backends by name; tests register fakes here.
-REGISTRY: dict[str, Backend] = {**_peers(), PADDED: _padded()}
+REGISTRY: dict[str, Backend] = {**_peers(), PADDED: _padded(), COPY: _copy()}
 ALIASES = {"fa2": "sdpa-flash", "flash": "sdpa-flash", "efficient": "sdpa-efficient",
            "cutlass": "sdpa-efficient", "cudnn": "sdpa-cudnn"}  # fmt: skip
 DEFAULT_BACKENDS = ("hopper-fmha", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "fa4", "fa3")

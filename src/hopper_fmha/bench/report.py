@@ -11,6 +11,12 @@ A run with varlen problems (the `varlen` preset) also has the varlen table: per 
 backend of ours, its rate, FA4's on the same problem, our dense twin's (`presets.dense_twin`, the
 same backend, found among the run's problems) and the padded call's (`hopper-fmha:padded`), and
 ours divided by each, against the targets (`VARLEN_TARGETS`).
+
+A run with decode problems (the `decode` preset) also has the decode table: per decode problem and
+backend of ours, TB/s of K and V read (`bandwidth`: `Problem.kv_bytes` over the same time as the
+TFLOP/s), cuDNN's and FA4's, ours ÷ the best peer, the `copy` yardstick's TB/s and ours as a
+percentage of it, and ours ÷ ours on the twin cell (`presets.decode_twin`), against
+`DECODE_TARGETS`. The copy is no attention: the TFLOP/s tables leave it out.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from hopper_fmha.bench.flops import tflops
-from hopper_fmha.bench.presets import dense_twin
-from hopper_fmha.bench.registry import BEST_PEERS, FA2, PADDED, REGISTRY, Problem
+from hopper_fmha.bench.presets import decode_twin, dense_twin
+from hopper_fmha.bench.registry import BEST_PEERS, COPY, FA2, PADDED, REGISTRY, Problem
 
 SCHEMA = "hopper-fmha-bench/1"
 MISSING = "–"
@@ -38,6 +44,8 @@ SUBSETS = (
 )
 # Ours on a varlen problem ÷ FA4 on it, and ÷ ours on its dense twin: the varlen issue's targets.
 VARLEN_TARGETS = {"fa4": 1.0, "twin": 0.95}
+# Ours on a decode cell ÷ the best peer on it, and a paged cell ÷ ours on its dense twin.
+DECODE_TARGETS = {"peer": 1.0, "paged": 0.9}
 
 
 def steady_text(steady_ms: float) -> str:
@@ -118,6 +126,13 @@ def rate(rec: dict, mode: str) -> float | None:
     return tflops(rec["flops"], t["median_ms"])
 
 
+def bandwidth(rec: dict, mode: str) -> float | None:
+    """TB/s of K and V read (`Problem.kv_bytes`) in the time `rate` uses; None when not timed.
+    (rate = flops / time, so bytes / time = rate · bytes / flops.)"""
+    r = rate(rec, mode)
+    return None if r is None else r * Problem.from_dict(rec["problem"]).kv_bytes / rec["flops"]
+
+
 def fell_back(rec: dict | None, mode: str) -> bool:
     """Whether a PRIMARY rate of this record is eager time (no graph timing)."""
     return bool(rec) and mode == PRIMARY and rate(rec, "graph") is None and rate(rec, "eager") is not None
@@ -176,33 +191,40 @@ def _fmt(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
     return MISSING if x is None else f"{x:{spec}}{suffix}"
 
 
-def _cell(rec: dict | None, mode: str) -> str:
+def _cell(rec: dict | None, mode: str, value=rate, spec: str = ".1f") -> str:
+    """A record's `value` (TFLOP/s, or `bandwidth`), marked (e) and ✗, or why it has none."""
     if rec is None:
         return MISSING
     if rec["status"] == "rejected":
         return "rejected"
     if rec["status"] in ("skipped", "error"):
         return rec["status"]
-    r = rate(rec, mode)
+    r = value(rec, mode)
     mark = FALLBACK if fell_back(rec, mode) else ""
-    return _fmt(r) + mark + (" ✗" if rec["status"] == "wrong" and r is not None else "")
+    return _fmt(r, spec) + mark + (" ✗" if rec["status"] == "wrong" and r is not None else "")
 
 
-def _ratio_cell(rec: dict | None, ref: dict | None, mode: str) -> str:
-    """ours ÷ a reference, marked (e) when either is eager time in PRIMARY mode, ✗ when ours is wrong."""
+def _ratio_cell(
+    rec: dict | None, ref: dict | None, mode: str, value=rate, spec: str = ".2f", suffix: str = "×"
+) -> str:
+    """ours ÷ a reference, marked (e) when either is eager time in PRIMARY mode, ✗ when ours is
+    wrong; `value` as `_cell`'s (a percentage: spec ".0%", no suffix)."""
     if rec is None or ref is None:
         return MISSING
-    r = ratio(rate(rec, mode), rate(ref, mode))
+    r = ratio(value(rec, mode), value(ref, mode))
     if r is None:
         return MISSING
     mark = FALLBACK if fell_back(rec, mode) or fell_back(ref, mode) else ""
-    return f"{r:.2f}×" + mark + (" ✗" if rec["status"] == "wrong" else "")
+    return _fmt(r, spec, suffix) + mark + (" ✗" if rec["status"] == "wrong" else "")
 
 
 def _problem_cells(p: Problem) -> list[str]:
     n = str(p.seqlen_q) if p.seqlen_q == p.seqlen_k else f"{p.seqlen_q}/{p.seqlen_k}"
     if p.seqlens is not None:
         n = f"varlen {min(p.seqlens)}–{p.seqlen_q}"
+    if p.kvcache:
+        n = f"{p.seqlen_q}/cache {p.seqlen_k}" + f" paged{p.page_size}" * bool(p.page_size)
+        n += " ragged" * bool(p.cache_seqlens)
     h = str(p.heads) if p.heads == p.kv_heads else f"{p.heads}/{p.kv_heads}"
     return [str(p.batch), n, h, str(p.head_dim), "yes" if p.causal else "no", p.dtype]
 
@@ -221,9 +243,10 @@ def has_graph(results: dict) -> bool:
 
 
 def rate_table(results: dict, mode: str) -> str | None:
-    """Problems x backends TFLOP/s, then each of ours divided by FA2 and by the best peer."""
+    """Problems x backends TFLOP/s, then each of ours divided by FA2 and by the best peer (the
+    copy yardstick left out: it does no attention)."""
     groups = by_problem(results)
-    backends = backends_in(results)
+    backends = [b for b in backends_in(results) if b[0] != COPY]
     if not any(rate(r, mode) for _, recs in groups for r in recs.values()):
         return None
     ours = [b for b in backends if b[2]]
@@ -372,6 +395,54 @@ def varlen_rows(results: dict, mode: str = PRIMARY) -> list[list[str]]:
                 f"B{twin.batch} N{twin.seqlen_q}", _cell(twin_recs.get(name), mode),
                 _ratio_cell(rec, good_record(twin_recs, name, mode), mode),
                 _cell(recs.get(PADDED), mode), _ratio_cell(rec, padded, mode),
+            ])  # fmt: skip
+    return rows
+
+
+DECODE_HEADERS = [
+    "problem", "GB read", "backend", "TB/s", "cuDNN", "FA4", f"÷ best peer (≥ {DECODE_TARGETS['peer']})",
+    "copy", "% of copy", "twin", f"÷ twin (paged ≥ {DECODE_TARGETS['paged']})",
+]  # fmt: skip
+
+
+DECODE_NOTE = (
+    "TB/s = the K and V bytes of the tokens attended (Σ over sequences of length · kv_heads · 2d · 2 "
+    "bytes; GB read) ÷ time, for every backend. cuDNN: SDPA on dense caches only, with a boolean "
+    "mask where keys are hidden (ragged lengths; causal with several queries), so it reads the "
+    "whole capacity. FA4: `flash_attn_varlen_func` with seqused_k and page_table, unsplit (it has "
+    "no split-KV on sm90). Copy: a device-to-device copy of the same bytes in the same run, its "
+    "TB/s counting the bytes it reads (it writes as many: its memory traffic is twice that); "
+    "% of copy = ours ÷ copy. Twin: the same cell with a dense cache (paged cells; target ≥ "
+    f"{DECODE_TARGETS['paged']}) or a full one (ragged cells: ≈ 1 when the cost is in proportion to "
+    "the tokens read). The issue's floors: ≥ 4.4 TB/s at B64 L8192 q1 dense, ≥ 4.0 at batch 1–4 "
+    "with 128k cached tokens."
+)
+
+
+def decode_rows(results: dict, mode: str = PRIMARY) -> list[list[str]]:
+    """The decode table's rows (module docstring): one per decode problem and backend of ours
+    that ran on it; ratios to correct results only, "–" where the run lacks one."""
+    groups = dict(by_problem(results))
+    ours = [name for name, _, is_ours in backends_in(results, timed_only=False) if is_ours and name != PADDED]
+    rows = []
+    for p, recs in groups.items():
+        if not p.kvcache:
+            continue
+        best, copy = reference_records(recs, mode)[1], good_record(recs, COPY, mode)
+        twin = decode_twin(p)
+        twin_recs = groups.get(twin, {}) if twin else {}
+        kind = MISSING if twin is None else "dense" if p.page_size else "full"
+
+        def tb(rec: dict | None) -> str:
+            return _cell(rec, mode, bandwidth, ".2f")
+
+        for name in (n for n in ours if n in recs):
+            rec = recs[name]
+            rows.append([
+                p.label(), f"{p.kv_bytes / 1e9:.2f}", name, tb(rec), tb(recs.get("sdpa-cudnn")),
+                tb(recs.get("fa4")), _ratio_cell(rec, best, mode), tb(recs.get(COPY)),
+                _ratio_cell(rec, copy, mode, bandwidth, ".0%", ""), kind,
+                _ratio_cell(rec, good_record(twin_recs, name, mode), mode, bandwidth),
             ])  # fmt: skip
     return rows
 
@@ -575,6 +646,10 @@ def render_markdown(results: dict) -> str:
     if varlen:
         heading = f"## Varlen: ours ÷ FA4, ÷ our dense twin, ÷ padded (TFLOP/s: {mode_text(PRIMARY)})"
         parts += ["", heading, "", VARLEN_NOTE, "", md_table(VARLEN_HEADERS, varlen)]
+    decode = decode_rows(results)
+    if decode:
+        heading = f"## Decode: TB/s of K/V read, ours ÷ best peer, % of copy, ÷ twin ({mode_text(PRIMARY)})"
+        parts += ["", heading, "", DECODE_NOTE, "", md_table(DECODE_HEADERS, decode)]
     tables = [(PRIMARY, "TFLOP/s, CUDA-graph replays (kernel time; (e): eager, not captured)")]
     if not has_graph(results):
         tables = [("eager", "TFLOP/s, eager calls (no CUDA-graph timings in this run)")]
@@ -617,6 +692,8 @@ def record_line(rec: dict, mm: float | None = None) -> str:
         return f"{p:34} {rec['backend']:24} {rec['status']}: {rec['reason']}"
     e, g = rate(rec, "eager"), rate(rec, "graph")
     pct = f" ({rate(rec, PRIMARY) / mm:.0%} of matmul)" if mm and rate(rec, PRIMARY) else ""
+    if "kvcache" in rec["problem"]:
+        pct += f", {_fmt(bandwidth(rec, PRIMARY), '.2f')} TB/s"
     flag = "  WRONG: " + (rec["reason"] or "") if rec["status"] == "wrong" else ""
     return f"{p:34} {rec['backend']:24} eager {_fmt(e):>6} graph {_fmt(g):>6} TFLOP/s{pct}{flag}"
 
@@ -660,6 +737,10 @@ def render_terminal(results: dict) -> str:
     if varlen:
         lines += ["", f"varlen: TFLOP/s ({mode_text(PRIMARY)}); ours ÷ FA4, ÷ our dense twin, ÷ padded"]
         lines += columns(VARLEN_HEADERS, varlen)
+    decode = decode_rows(results)
+    if decode:
+        lines += ["", f"decode: TB/s of K/V read ({mode_text(PRIMARY)}); ours ÷ best peer, % of copy, ÷ twin"]
+        lines += columns(DECODE_HEADERS, decode)
     return "\n".join(lines)
 
 

@@ -14,7 +14,9 @@ Correctness rule (FlashAttention's test rule): the backend's max abs error again
 reference must be at most 2x the error of PyTorch computing the same attention in the input
 dtype (fp16/bf16 matmuls, fp32 softmax: `lowp_attention`), plus a floor of one ulp of the
 output's largest value (eps(dtype) * max|ref|). On a varlen problem both are computed sequence by
-sequence and the rule applies to the packed rows.
+sequence and the rule applies to the packed rows. On a decode problem the reference is
+`reference_with_kvcache` and PyTorch's error is computed per sequence on its first
+cache_seqlens[b] keys (gathered from the pages when paged).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import platform
+import random
 import re
 import subprocess
 import sys
@@ -150,16 +153,38 @@ def collect_env(device: str) -> dict:
     return env
 
 
+def page_table(p: Problem, seed: int) -> list[list[int]]:
+    """A paged decode problem's page table: the batch · capacity / page_size pages shuffled by
+    Python's own generator (the same on every machine), capacity / page_size per sequence, so
+    that a sequence's pages lie anywhere in the pool, in any order."""
+    per_seq = p.seqlen_k // p.page_size
+    pages = list(range(p.batch * per_seq))
+    random.Random(seed).shuffle(pages)
+    return [pages[b * per_seq : (b + 1) * per_seq] for b in range(p.batch)]
+
+
 def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
     """`n_sets` input sets drawn from one generator seeded with `seed`: (q, k, v) in BSHD, or
     for a varlen problem packed (q, k, v, cu_seqlens): q (total, heads, d), k and v (total,
-    kv_heads, d), cu_seqlens the int32 offsets (`Problem.offsets`, one tensor for all sets)."""
+    kv_heads, d), cu_seqlens the int32 offsets (`Problem.offsets`, one tensor for all sets), or
+    for a decode problem (q, k_cache, v_cache, cache_seqlens, page_table): q (batch, seqlen_q,
+    heads, d), the caches dense (batch, capacity, kv_heads, d) or paged (pages, page_size,
+    kv_heads, d) with the int32 (batch, capacity / page_size) `page_table(p, seed)` (None when
+    dense), cache_seqlens int32 (batch,) (`Problem.cache_lengths`); one table and one
+    cache_seqlens for all sets."""
     import torch
 
     dtype = getattr(torch, p.dtype)
     g = torch.Generator(device=device)
     g.manual_seed(seed)
-    if p.seqlens is None:
+    if p.kvcache:
+        lens = torch.tensor(p.cache_lengths, dtype=torch.int32, device=device)
+        table, kv_rows = None, (p.batch, p.seqlen_k)
+        if p.page_size:
+            table = torch.tensor(page_table(p, seed), dtype=torch.int32, device=device)
+            kv_rows = (p.batch * p.seqlen_k // p.page_size, p.page_size)
+        q_rows, extra = (p.batch, p.seqlen_q), (lens, table)
+    elif p.seqlens is None:
         q_rows, kv_rows, extra = (p.batch, p.seqlen_q), (p.batch, p.seqlen_k), ()
     else:
         total = sum(p.seqlens)
@@ -213,6 +238,16 @@ def _exact_fp32_matmul():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def sequence_kv(p: Problem, k_cache, v_cache, page_table, b: int) -> tuple:
+    """A decode problem's sequence b: its first cache_seqlens[b] keys and values, (len, kv_heads,
+    d), gathered from the pages when paged."""
+    from hopper_fmha.reference_kvcache import kvcache_slots
+
+    first, rows = kvcache_slots(page_table, p.page_size or 1, b, 0, p.cache_lengths[b])
+    first, rows = first.to(k_cache.device), rows.to(k_cache.device)
+    return k_cache[first, rows], v_cache[first, rows]
+
+
 def _per_sequence(fn: Callable, q, k, v, cu_seqlens):
     """fn(q, k, v) -> BSHD output; with cu_seqlens (packed inputs), fn on each sequence as a
     batch of one, the outputs packed back into rows."""
@@ -227,17 +262,18 @@ def _per_sequence(fn: Callable, q, k, v, cu_seqlens):
 
 class Checker:
     """The fp32 reference and the tolerance for one problem, computed from the first input set
-    (with cu_seqlens: a varlen problem's packed set, checked sequence by sequence)."""
+    (with cu_seqlens: a varlen problem's packed set, checked sequence by sequence; a decode
+    problem's set (q, k_cache, v_cache, cache_seqlens, page_table): against
+    `reference_with_kvcache`, whatever `reference`, which is the dense one)."""
 
-    def __init__(self, p: Problem, q, k, v, cu_seqlens=None, *, reference: Callable | None = None):
+    def __init__(self, p: Problem, q, k, v, *extra, reference: Callable | None = None):
         import torch
 
-        if reference is None:
-            from hopper_fmha.reference import reference
-        with _exact_fp32_matmul():
-            ref = _per_sequence(lambda *qkv: _first(reference(*qkv, causal=p.causal)), q, k, v, cu_seqlens)
-            self.ref = ref.float()
-        lowp = _per_sequence(lambda *qkv: lowp_attention(*qkv, p.causal), q, k, v, cu_seqlens)
+        if p.kvcache:
+            ref, lowp = _kvcache_baselines(p, q, k, v, *extra)
+        else:
+            ref, lowp = _attention_baselines(p, q, k, v, *extra, reference=reference)
+        self.ref = ref.float()
         self.torch_err = (lowp.float() - self.ref).abs().max().item()
         floor = torch.finfo(q.dtype).eps * self.ref.abs().max().item()
         self.tol = 2 * self.torch_err + floor
@@ -256,6 +292,32 @@ class Checker:
         res["max_abs_err"] = (out - self.ref).abs().max().item()
         res["passed"] = res["max_abs_err"] <= self.tol
         return res
+
+
+def _attention_baselines(p: Problem, q, k, v, cu_seqlens=None, *, reference: Callable | None) -> tuple:
+    """(fp32 reference, PyTorch in the input dtype) of a dense or varlen problem, in q's layout."""
+    if reference is None:
+        from hopper_fmha.reference import reference
+    with _exact_fp32_matmul():
+        ref = _per_sequence(lambda *qkv: _first(reference(*qkv, causal=p.causal)), q, k, v, cu_seqlens)
+    return ref, _per_sequence(lambda *qkv: lowp_attention(*qkv, p.causal), q, k, v, cu_seqlens)
+
+
+def _kvcache_baselines(p: Problem, q, k_cache, v_cache, cache_seqlens, page_table) -> tuple:
+    """(fp32 reference, PyTorch in the input dtype) of a decode problem, (batch, seqlen_q, heads, d)."""
+    import torch
+
+    from hopper_fmha.reference_kvcache import reference_with_kvcache
+
+    with _exact_fp32_matmul():
+        ref, _ = reference_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, causal=p.causal
+        )
+    lowp = []
+    for b in range(p.batch):
+        k, v = sequence_kv(p, k_cache, v_cache, page_table, b)
+        lowp.append(lowp_attention(q[b : b + 1], k[None], v[None], p.causal))
+    return ref, torch.cat(lowp)
 
 
 def _first(out):
@@ -278,7 +340,8 @@ def _alive(timer) -> bool:
 
 def kernel_key(p: Problem, b: Backend) -> tuple:
     """What changes the generated code (not batch or seqlen): one compile per key."""
-    return (b.name, p.dtype, p.head_dim, p.causal, p.heads // p.kv_heads, p.seqlens is not None)
+    kind = (p.seqlens is not None, p.kvcache, p.page_size)
+    return (b.name, p.dtype, p.head_dim, p.causal, p.heads // p.kv_heads, *kind)
 
 
 def _profile_compile(fn, timer) -> dict:
@@ -380,7 +443,9 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
                 )
                 return fail("skipped", "raised " + _short(e) + (f" ({why[:400]})" if why else ""))
         try:
-            if backend.layout == "padded" and not p.causal:
+            if backend.unchecked:
+                rec["check"] = {"passed": None, "reason": backend.unchecked}
+            elif backend.layout == "padded" and not p.causal:
                 rec["check"] = {"passed": None, "reason": PADDED_UNCHECKED}
             else:
                 rec["check"] = checker().check(out)
@@ -407,7 +472,7 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
                     raise CudaContextLost(rec["graph_reason"], rec) from e
         if profile:
             rec["profile"]["launch_us"] = launch_us(fns, timer)
-            if backend.ours and p.seqlens is None:  # the stages are flash_attn_func's
+            if backend.ours and p.seqlens is None and not p.kvcache:  # the stages are flash_attn_func's
                 rec["profile"]["host_stages_us"] = _host_stages(p, sets[0])
 
 

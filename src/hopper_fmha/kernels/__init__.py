@@ -24,7 +24,7 @@ import os
 # also right on a CPU-only machine, where it lets the kernels compile for inspection.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from hopper_fmha.config import kernel_head_dims, launch_config  # noqa: E402
+from hopper_fmha.config import kernel_head_dims, launch_config, short_block_stages  # noqa: E402
 
 from . import cache  # noqa: E402
 from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, dsl_flavor, get_kernel  # noqa: E402, F401
@@ -164,7 +164,9 @@ def kvcache_forward(
     if page_table is not None:
         if cache_seqlens is None or k_cache.shape[1] % cfg.tile_n:
             raise ValueError("paged K/V needs cache_seqlens and a tile_n that divides page_size")
-        key = key._replace(paged=True, cluster_m=1)
+        kd, kdv = cfg.kernel_dims
+        stages = short_block_stages(kd, kdv, cfg.tile_m, cfg.tile_n, key.num_stages)
+        key = key._replace(paged=True, cluster_m=1, num_stages=stages)
     fn = get_kernel(key)
     ctas, lpt_group = schedule(q, k_cache, causal)
     if split:
@@ -212,10 +214,10 @@ def split_workspace(q, head_dim_v: int, num_splits: int):
 PACK_GQA_MAX_SEQLEN_Q = 16
 
 
-def use_pack_gqa(seqlen_q: int, group: int, sink: bool) -> bool:
+def use_pack_gqa(seqlen_q: int, group: int, sink: bool = False) -> bool:
     """Whether a call packs the q heads of each kv head into one tile: GQA (group > 1) at decode
-    lengths, without a learnable sink (per-row sinks are not built yet)."""
-    return group > 1 and seqlen_q <= PACK_GQA_MAX_SEQLEN_Q and not sink
+    lengths (a learnable sink too: each packed row takes its q head's)."""
+    return group > 1 and seqlen_q <= PACK_GQA_MAX_SEQLEN_Q
 
 
 def num_splits_heuristic(batch: int, heads: int, seqlen_q: int, seqlen_k: int, cfg, num_sms: int) -> int:

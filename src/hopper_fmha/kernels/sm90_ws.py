@@ -275,8 +275,8 @@ class WsFwdSm90:
         # Q arrives by the producer warp's vector loads (`load_q_packed`), O and LSE leave from
         # registers (`Epilogue.store_packed`), the mask maps packed rows to queries.
         assert pack_gqa >= 1
-        assert pack_gqa == 1 or not (sink or varlen or cluster_m > 1 or self.trim), (
-            "pack_gqa: no sink, varlen, CTA pairs or causal_trim"
+        assert pack_gqa == 1 or not (varlen or cluster_m > 1 or self.trim), (
+            "pack_gqa: no varlen, CTA pairs or causal_trim"
         )
         self.pack_gqa = pack_gqa
         # Paged K/V (`TmaLoader.paged`): a page table per sequence; keys per sequence from
@@ -909,7 +909,9 @@ class WsFwdSm90:
                 else:
                     self.release_q(mbar_Q_empty)
             sink_log2 = None
-            if const_expr(self.sink):
+            if const_expr(self.sink and self.pack_gqa > 1):
+                sink_log2 = self.packed_sink_logits(mSink, head, split, m_block, tScS_mn, rows_per_thread)
+            elif const_expr(self.sink):
                 sink_log2 = Float32(mSink[head]) * LOG2_E
                 if const_expr(self.split_kv):
                     if split > 0:  # the sink joins split 0 only; far below any score, not -inf (nan)
@@ -931,6 +933,22 @@ class WsFwdSm90:
                 )  # fmt: skip
             tile = sched.next_announced()
         self.epilogue.drain(tidx)
+
+    @cute.jit
+    def packed_sink_logits(
+        self, mSink: cute.Tensor, head_kv: Int32, split, m_block: Int32, tScS_mn, rows_per_thread
+    ):
+        """Pack-GQA: the learnable sink * log2 e of each of this thread's rows (its q head's), a
+        tensor of one per row. Split-KV: split 0 only; the others get a value far below any
+        score (not -inf: -inf - -inf is nan in the finalize)."""
+        sinks = cute.make_rmem_tensor((rows_per_thread,), Float32)
+        for r in cutlass.range_constexpr(rows_per_thread):
+            packed = m_block * self.tile_m + tScS_mn[r, 0][0]
+            sinks[r] = Float32(mSink[head_kv * self.pack_gqa + packed % self.pack_gqa]) * LOG2_E
+            if const_expr(self.split_kv):
+                if split > 0:
+                    sinks[r] = Float32(-1.0e30)
+        return sinks
 
     @cute.jit
     def load_q_packed(

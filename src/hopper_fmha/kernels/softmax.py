@@ -189,8 +189,9 @@ class Softmax:
         """O /= rowsum; returns LSE = (m * scale * log2 e + log2 rowsum) * ln 2 per row.
 
         acc_sum (mma_rowsum): the tensor cores' row sums, every column holding its row's sum.
-        sink_log2 (learnable sink): the head's sink logit * log2 e; it joins the row sum and the
-        LSE, both taken against max(m * scale_log2, sink_log2).
+        sink_log2 (learnable sink): the head's sink logit * log2 e, or (pack-GQA, rows of several
+        heads) a tensor of one per row; it joins the row sum and the LSE, both taken against
+        max(m * scale_log2, sink_log2).
         """
         row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
         if const_expr(self.mma_rowsum):
@@ -208,10 +209,11 @@ class Softmax:
             if const_expr(sink_log2 is not None):
                 # The sink joins the denominator; the reference is the larger of the row's max and
                 # the sink. A row that saw no key: max -inf, O stays 0 and LSE is the sink.
+                sink = sink_log2[r] if const_expr(isinstance(sink_log2, cute.Tensor)) else sink_log2
                 m_scaled = row_max[r] * scale_log2
-                m_ref = cute.arch.fmax(m_scaled, sink_log2)
+                m_ref = cute.arch.fmax(m_scaled, sink)
                 row_factor = cute.math.exp2(m_scaled - m_ref, fastmath=True)
-                total = total * row_factor + cute.math.exp2(sink_log2 - m_ref, fastmath=True)
+                total = total * row_factor + cute.math.exp2(sink - m_ref, fastmath=True)
                 inv = row_factor * cute.arch.rcp_approx(total)
                 lse[r] = (m_ref + cute.math.log2(total, fastmath=True)) * LN_2
             else:
