@@ -112,3 +112,41 @@ def test_num_splits_heuristic():
     assert num_splits_heuristic(1, 8, 1, 131072, cfg, 132) == 17
     # Few key blocks: no split.
     assert num_splits_heuristic(1, 8, 1, 512, cfg, 132) == 1
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"softcap": True},
+        {"seqused_k": True},
+        {"seqused_k": True, "split_kv": True, "cluster_m": 1},
+        {"seqused_k": True, "paged": True, "cluster_m": 1},
+        {"seqused_k": True, "split_kv": True, "paged": True, "cluster_m": 1, "sink": True},
+        {"varlen": True},
+        {"varlen": True, "seqused_k": True, "window": "left", "cluster_m": 1},
+    ],
+    ids=["dense", "softcap", "used", "split", "paged", "split-paged-sink", "varlen", "varlen-used-window"],
+)
+def test_launch_arguments_follow_the_compiled_signature(changes):
+    """`kernels.extra_arguments` passes, after the stream, what `cache.fake_arguments` compiled: as
+    many arguments, None exactly where the kernel was compiled without the argument."""
+    from hopper_fmha.kernels import extra_arguments
+    from hopper_fmha.kernels.cache import fake_arguments
+
+    key = KernelKey.from_config("bfloat16", False, select_config(128, "ws"))._replace(**changes)
+    fake = fake_arguments(key, tvm_ffi=False)
+    compiled_extras = fake[12:]  # q, k, v, o, lse, scale, group, max_ctas, lpt_group, counters, slot, stream
+    features = (
+        1 if "left" in key.window else None,
+        None,
+        2.0 if key.softcap else None,
+        "sink" if key.sink else None,
+    )
+    used = "used" if key.seqused_k else None
+    sequences = ("cu_q", "cu_k", used, 7) if key.varlen else (None, None, used, None)
+    passed = extra_arguments(
+        key, features if key.features else None, sequences, ("o_part", "lse_part"), 3, "table"
+    )
+    assert len(passed) == len(compiled_extras)
+    assert [a is None for a in passed] == [a is None for a in compiled_extras]

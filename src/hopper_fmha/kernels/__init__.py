@@ -110,12 +110,12 @@ def varlen_forward(
     key = KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg)
     if features is not None:
         key = feature_key(key, features)
-    fn = get_kernel(varlen_key(key, seqused_k is not None))
+    key = varlen_key(key, seqused_k is not None)
+    fn = get_kernel(key)
     ctas, lpt_group = schedule_varlen(q, k, causal, max_seqlen_k)
     counters, slot = _tile_counters(q.get_device(), causal)
     args = (q, k, v, out, lse, softmax_scale, q.shape[1] // k.shape[1], ctas, lpt_group, counters, slot)
-    args += tuple(features) if features is not None else (None, None, None, None)
-    fn(*args, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q)
+    fn(*args, *extra_arguments(key, features, (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q)))
 
 
 def kvcache_forward(
@@ -172,18 +172,37 @@ def kvcache_forward(
     if split:
         lpt_group = 0  # the split scheduler has no longest-first order
     counters, slot = _tile_counters(q.get_device(), causal)
-    args = (q, k_cache, v_cache, out, lse, softmax_scale, q.shape[2] // k_cache.shape[2], ctas, lpt_group)
-    args += (counters, slot, *(features if features is not None else (None,) * 4))
-    args += (None, None, cache_seqlens, None)
-    paged = () if page_table is None else (page_table,)
-    if not split:
-        fn(*args, *((None, None, None) + paged if paged else ()))
-        return
-    from .combine import combine
+    partials = split_workspace(q, out.shape[3], num_splits) if split else None
+    args = (q, k_cache, v_cache, out, lse, softmax_scale, group, ctas, lpt_group, counters, slot)
+    fn(
+        *args,
+        *extra_arguments(key, features, (None, None, cache_seqlens, None), partials, num_splits, page_table),
+    )
+    if split:
+        from .combine import combine
 
-    out_partial, lse_partial = split_workspace(q, out.shape[3], num_splits)
-    fn(*args, out_partial, lse_partial, num_splits, *paged)
-    combine(out_partial, lse_partial, out, lse, num_splits)
+        combine(*partials, out, lse, num_splits)
+
+
+def extra_arguments(
+    key: KernelKey, features, sequences, partials=None, num_splits=1, page_table=None
+) -> tuple:
+    """The launch arguments after the stream of a kernel compiled for `key`, in `cache.fake_arguments`'
+    order: the score features' four (None each where off), the sequences' four (cu_seqlens_q,
+    cu_seqlens_k, seqused_k, max_seqlen_q), split-KV's three (out_partial, lse_partial, num_splits)
+    and the page table, each group only where the key takes it."""
+    args = ()
+    if key.extra_arguments:
+        args += tuple(features) if features is not None else (None,) * 4
+    if key.sequence_arguments:
+        args += tuple(sequences)
+    if key.split_kv:
+        args += (*partials, num_splits)
+    elif key.paged:
+        args += (None, None, None)
+    if key.paged:
+        args += (page_table,)
+    return args
 
 
 # Split-KV partials, per device: one float32 buffer grown to the largest call's need and reused
