@@ -331,7 +331,9 @@ def _sdpa_backend(attr: str) -> tuple[Builder, Builder, Callable[[], contextlib.
         if page_table is not None:
             raise BackendSkip("SDPA takes dense K and V: no paged cache")
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k_cache, v_cache))
-        kwargs = {"attn_mask": decode_mask(p, q.device), "enable_gqa": p.kv_heads != p.heads}
+        kwargs = {"attn_mask": decode_mask(p, q.device)}
+        if p.kv_heads != p.heads:
+            kwargs["enable_gqa"] = True
         return lambda: F.scaled_dot_product_attention(qt, kt, vt, **kwargs)
 
     return build, build_kvcache, context

@@ -415,7 +415,8 @@ DECODE_NOTE = (
     "% of copy = ours ÷ copy. Twin: the same cell with a dense cache (paged cells; target ≥ "
     f"{DECODE_TARGETS['paged']}) or a full one (ragged cells: ≈ 1 when the cost is in proportion to "
     "the tokens read). The issue's floors: ≥ 4.4 TB/s at B64 L8192 q1 dense, ≥ 4.0 at batch 1–4 "
-    "with 128k cached tokens."
+    "with 128k cached tokens. The TFLOP/s tables count 4·H·Nq·len·d per sequence for these cells, "
+    "not halved for causal."
 )
 
 
@@ -425,6 +426,10 @@ def decode_rows(results: dict, mode: str = PRIMARY) -> list[list[str]]:
     groups = dict(by_problem(results))
     ours = [name for name, _, is_ours in backends_in(results, timed_only=False) if is_ours and name != PADDED]
     rows = []
+
+    def tb(rec: dict | None) -> str:
+        return _cell(rec, mode, bandwidth, ".2f")
+
     for p, recs in groups.items():
         if not p.kvcache:
             continue
@@ -432,10 +437,6 @@ def decode_rows(results: dict, mode: str = PRIMARY) -> list[list[str]]:
         twin = decode_twin(p)
         twin_recs = groups.get(twin, {}) if twin else {}
         kind = MISSING if twin is None else "dense" if p.page_size else "full"
-
-        def tb(rec: dict | None) -> str:
-            return _cell(rec, mode, bandwidth, ".2f")
-
         for name in (n for n in ours if n in recs):
             rec = recs[name]
             rows.append([
