@@ -56,6 +56,19 @@ def inspected(key: KernelKey) -> dict:
     return row
 
 
+def inspected_without_spills(key: KernelKey, record_property) -> dict:
+    """`inspected(key)`, recorded for the tier's register table, after asserting that ptxas put
+    nothing on the stack and, where the SASS can be read (else the test skips), that no local
+    memory is touched."""
+    row = inspected(key)
+    record_property("kernel_resources", row)
+    assert row["stack_bytes"] == 0, f"{row['stack_bytes']} bytes of stack: registers spill"
+    if "sass_missing" in row:
+        pytest.skip(row["sass_missing"])
+    assert row["ldl"] == 0 and row["stl"] == 0, f"local memory traffic: {row['ldl']} LDL, {row['stl']} STL"
+    return row
+
+
 @pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("name,causal,window,softcap,sink", FEATURES, ids=[f[0] for f in FEATURES])
 def test_feature_compiles_without_spills(head_dim, name, causal, window, softcap, sink, record_property):
@@ -65,12 +78,7 @@ def test_feature_compiles_without_spills(head_dim, name, causal, window, softcap
         assert key.window and key.cluster_m == 1
     narrow = head_dim == 64 and (key.window in ("left", "both") or key.softcap)
     assert key.tile_n == (96 if narrow else 128 if head_dim == 64 else key.tile_n)
-    row = inspected(key)
-    record_property("kernel_resources", row)
-    assert row["stack_bytes"] == 0, f"{row['stack_bytes']} bytes of stack: registers spill"
-    if "sass_missing" in row:
-        pytest.skip(row["sass_missing"])
-    assert row["ldl"] == 0 and row["stl"] == 0, f"local memory traffic: {row['ldl']} LDL, {row['stl']} STL"
+    row = inspected_without_spills(key, record_property)
     assert row["hgmma_ss"] > 0 and row["hgmma_rs"] > 0
     assert (row["tanh"] > 0) == bool(softcap), "softcap's tanh.approx (MUFU.TANH) where softcap is on only"
 

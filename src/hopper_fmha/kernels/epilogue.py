@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 
 from .seqlen import SeqlenInfo
@@ -214,29 +214,15 @@ class Epilogue:
         padded). Each thread stores its accumulator's column pairs as 8-byte words. pack_gqa > 1:
         tile rows are packed (`row_of`), `head` the kv head."""
         cO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        tOcO_mn = cute.make_tensor(cO.iterator, acc_mn_layout(cO.layout))
         acc_O_mn = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
-        dv = mOPartial.shape[4]
-        rows = seqlen.seqlen_q * pack_gqa
-        if tOcO_mn[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                packed = m_block * self.tile_m + tOcO_mn[r, 0][0]
-                if packed < rows:
-                    row, h = self.row_of(packed, head, pack_gqa)
-                    mLSEPartial[split, batch, h, row] = lse[r]
-        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
-            packed = m_block * self.tile_m + tOcO_mn[r, 0][0]
-            if packed < rows:
-                row, h = self.row_of(packed, head, pack_gqa)
-                o_row = mOPartial[split, batch, row, h, None]
-                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1]) // 2):
-                    col = tOcO_mn[r, 2 * c][1]
-                    if col < dv:
-                        pair = cute.make_rmem_tensor((2,), Float32)
-                        pair[0] = acc_O_mn[r, 2 * c]
-                        pair[1] = acc_O_mn[r, 2 * c + 1]
-                        dst = cute.make_tensor(o_row.iterator + col, cute.make_layout(2))
-                        cute.autovec_copy(pair, dst)
+
+        def lse_store(row, h, value):
+            mLSEPartial[split, batch, h, row] = value
+
+        self.store_rows(
+            acc_O_mn, lse, cO, m_block, head, seqlen.seqlen_q * pack_gqa, mOPartial.shape[4], pack_gqa,
+            lse_store, lambda row, h: mOPartial[split, batch, row, h, None],
+        )  # fmt: skip
 
     @cute.jit
     def store_packed(
@@ -257,31 +243,46 @@ class Epilogue:
         head_kv * G + R % G; rows past the sequence and columns past the data's dv are skipped.
         Column pairs go out as 4-byte words (decode's O is small beside the K/V it reads)."""
         cO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        tOcO_mn = cute.make_tensor(cO.iterator, acc_mn_layout(cO.layout))
         rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
         convert(acc_O, rO)
         rO_mn = cute.make_tensor(rO.iterator, acc_mn_layout(rO.layout))
-        dv = mO.shape[1]
-        rows = seqlen.seqlen_q * pack_gqa
+
+        def lse_store(row, h, value):
+            mLSE[row, h, batch] = value
+
+        self.store_rows(
+            rO_mn, lse, cO, m_block, head_kv, seqlen.seqlen_q * pack_gqa, mO.shape[1], pack_gqa,
+            lse_store, lambda row, h: mO[row, None, h, batch],
+        )  # fmt: skip
+
+    @cute.jit
+    def store_rows(
+        self, values_mn, lse, cO, m_block: Int32, head: Int32, rows, dv, pack_gqa: cutlass.Constexpr[int],
+        lse_store, o_row,
+    ):  # fmt: skip
+        """O from registers (values_mn: the accumulator's row/column view, fp32 or 16-bit) and LSE,
+        row by row: tile rows below `rows` (`row_of` names their query row and q head), columns
+        below dv, as words of a column pair; lse_store(row, head, value) and o_row(row, head) (the
+        row's dv-vector of O) say where."""
+        tOcO_mn = cute.make_tensor(cO.iterator, acc_mn_layout(cO.layout))
         if tOcO_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 packed = m_block * self.tile_m + tOcO_mn[r, 0][0]
                 if packed < rows:
-                    row, h = self.row_of(packed, head_kv, pack_gqa)
-                    mLSE[row, h, batch] = lse[r]
-        for r in cutlass.range_constexpr(cute.size(rO_mn, mode=[0])):
+                    row, h = self.row_of(packed, head, pack_gqa)
+                    lse_store(row, h, lse[r])
+        for r in cutlass.range_constexpr(cute.size(values_mn, mode=[0])):
             packed = m_block * self.tile_m + tOcO_mn[r, 0][0]
             if packed < rows:
-                row, h = self.row_of(packed, head_kv, pack_gqa)
-                o_row = mO[row, None, h, batch]
-                for c in cutlass.range_constexpr(cute.size(rO_mn, mode=[1]) // 2):
+                row, h = self.row_of(packed, head, pack_gqa)
+                dst_row = o_row(row, h)
+                for c in cutlass.range_constexpr(cute.size(values_mn, mode=[1]) // 2):
                     col = tOcO_mn[r, 2 * c][1]
                     if col < dv:
-                        pair = cute.make_rmem_tensor((2,), self.dtype)
-                        pair[0] = rO_mn[r, 2 * c]
-                        pair[1] = rO_mn[r, 2 * c + 1]
-                        dst = cute.make_tensor(o_row.iterator + col, cute.make_layout(2))
-                        cute.autovec_copy(pair, dst)
+                        pair = cute.make_rmem_tensor((2,), values_mn.element_type)
+                        pair[0] = values_mn[r, 2 * c]
+                        pair[1] = values_mn[r, 2 * c + 1]
+                        cute.autovec_copy(pair, cute.make_tensor(dst_row.iterator + col, cute.make_layout(2)))
 
     @cute.jit
     def row_of(self, packed: Int32, head: Int32, pack_gqa: cutlass.Constexpr[int]):
