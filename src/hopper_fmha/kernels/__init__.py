@@ -152,7 +152,8 @@ def kvcache_forward(
         pack_gqa = use_pack_gqa(q.shape[1], group, learnable_sink is not None)
     features = score_features(causal, window, softcap, learnable_sink)
     split = num_splits > 1
-    cfg = launch_config(cfg, causal, q.shape[1], exact_lse=exact_lse)
+    # Split partials are weighed by their LSE: those take fp32 row sums whatever is returned.
+    cfg = launch_config(cfg, causal, q.shape[1], exact_lse=exact_lse or split)
     key = KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg)
     if features is not None:
         key = feature_key(key, features)
