@@ -83,9 +83,12 @@ def flash_attn_func(
             variant, tile, None if v.shape[3] == q.shape[3] else v.shape[3],
         )  # fmt: skip
         cfg = feature_cfg or cfg
-    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
-        raise RuntimeError(_NO_BACKWARD)
-    if learnable_sink is not None and _grad_needed(q, k, v, learnable_sink):
+    if (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (learnable_sink is not None and learnable_sink.requires_grad)
+    ) and torch.is_grad_enabled():
         raise RuntimeError(_NO_BACKWARD)
     _check_device(q, k, v)
     if features is not None and features.sink is not None and features.sink.device != q.device:
@@ -285,11 +288,7 @@ def flash_attn_with_kvcache(
     if out.numel() == 0:
         return (out, lse) if return_lse else out
     if (shape.capacity if shape.paged else k_cache.shape[1]) == 0:
-        out.zero_()
-        if features is not None and features.sink is not None:
-            lse.copy_(features.sink[None, :, None].expand_as(lse))
-        else:
-            lse.fill_(-math.inf)
+        out, lse = _no_keys(out, lse, features, (1, -1, 1))
         return (out, lse) if return_lse else out
     q = _conforming(q)
     global _kernels
@@ -306,12 +305,9 @@ def flash_attn_with_kvcache(
             else (shape.heads, shape.seqlen_q)
         )
         num_splits = _kernels.num_splits_heuristic(shape.batch, heads, rows, shape.capacity, cfg, sms)
-    window, cap, sink = None, 0.0, None
-    if features is not None:
-        window, cap, sink = (features.left, features.right), features.softcap, features.sink
     _kernels.kvcache_forward(
         q, k_cache, v_cache, out, lse, scale, causal, cfg, seqused, num_splits, exact_lse=return_lse,
-        window=window, softcap=cap, learnable_sink=sink, pack_gqa=pack, page_table=page_table,
+        pack_gqa=pack, page_table=page_table, **_feature_kwargs(features),
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -331,6 +327,13 @@ class ScoreFeatures(NamedTuple):
     right: int
     softcap: float
     sink: torch.Tensor | None
+
+    @staticmethod
+    def from_op(left: int, right: int, softcap: float, sink) -> ScoreFeatures | None:
+        """The features a custom op's plain arguments carry (-1, -1, 0, None: none)."""
+        if left >= 0 or right >= 0 or softcap or sink is not None:
+            return ScoreFeatures(left, right, softcap, sink)
+        return None
 
 
 def _score_features(
@@ -428,18 +431,17 @@ def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, con
     batch, _, heads, head_dim = q.shape
     k_shape = k.shape
     kv_heads = k_shape[2]
-    head_dim_v = None  # v's head dim where it differs from q's
+    v_shape = v.shape
     if not (
-        k_shape == v.shape
+        (k_shape == v_shape or k_shape[:3] == v_shape[:3])
         and k_shape[0] == batch
         and k_shape[3] == head_dim
         and kv_heads != 0
         and heads % kv_heads == 0
-        and head_dim in config.SUPPORTED_HEAD_DIMS
+        and (head_dim, v_shape[3]) in config.HEAD_DIM_PAIRS
     ):
         _tensor_rules(q, k, v)
-        if v.shape[3] != head_dim:
-            head_dim_v = v.shape[3]
+    head_dim_v = None if v_shape[3] == head_dim else v_shape[3]  # v's head dim where it differs
     scale = _check_scale(softmax_scale, head_dim)
     if causal is not True and causal is not False:
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
@@ -576,9 +578,28 @@ def _launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse, features=N
         _kernels.forward(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
     else:
         _kernels.forward(
-            q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse,
-            window=(features.left, features.right), softcap=features.softcap, learnable_sink=features.sink,
-        )  # fmt: skip
+            q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse, **_feature_kwargs(features)
+        )
+
+
+def _feature_kwargs(features: ScoreFeatures | None) -> dict:
+    """The `hopper_fmha.kernels` keywords of score features ({} for none)."""
+    if features is None:
+        return {}
+    return {
+        "window": (features.left, features.right),
+        "softcap": features.softcap,
+        "learnable_sink": features.sink,
+    }
+
+
+def _no_keys(out: torch.Tensor, lse: torch.Tensor, features, sink_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs where no query row sees a key: out 0, lse -inf, or with a sink the head's logit
+    (the sink viewed as `sink_shape` against lse's layout)."""
+    out.zero_()
+    if features is not None and features.sink is not None:
+        return out, lse.copy_(features.sink.view(sink_shape).expand_as(lse))
+    return out, lse.fill_(-math.inf)
 
 
 _kernels = None
@@ -604,10 +625,7 @@ def _fwd_impl(
     if out.numel() == 0:
         return out, lse
     if k.shape[1] == 0:
-        # No key is visible to any query row: out 0, lse -inf (with a sink, the sink's logit).
-        if features is not None and features.sink is not None:
-            return out.zero_(), lse.copy_(features.sink[None, :, None].expand_as(lse))
-        return out.zero_(), lse.fill_(-math.inf)
+        return _no_keys(out, lse, features, (1, -1, 1))
     q, k, v = _conforming(q), _conforming(k), _conforming(v)
     _launch(q, k, v, out, lse, softmax_scale, causal, cfg, return_lse, features)
     return out, lse
@@ -631,9 +649,7 @@ def _fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dv = v.shape[3]
     cfg = config.select_config(q.shape[3], variant, (tile_m, tile_n), None if dv == q.shape[3] else dv)
-    features = None
-    if window_left >= 0 or window_right >= 0 or softcap or learnable_sink is not None:
-        features = ScoreFeatures(window_left, window_right, softcap, learnable_sink)
+    features = ScoreFeatures.from_op(window_left, window_right, softcap, learnable_sink)
     return _fwd_impl(q, k, v, softmax_scale, causal, cfg, return_lse, features)
 
 
@@ -656,20 +672,14 @@ def _varlen_fwd_impl(
     if out.numel() == 0 or max_seqlen_q == 0:
         return out, lse
     if k.shape[0] == 0 or max_seqlen_k == 0:
-        # No key is visible to any query row: out 0, lse -inf (with a sink, the sink's logit).
-        if features is not None and features.sink is not None:
-            return out.zero_(), lse.copy_(features.sink[:, None].expand_as(lse))
-        return out.zero_(), lse.fill_(-math.inf)
+        return _no_keys(out, lse, features, (-1, 1))
     q, k, v = _conforming_packed(q), _conforming_packed(k), _conforming_packed(v)
     global _kernels
     if _kernels is None:
         from hopper_fmha import kernels as _kernels
-    window, cap, sink = None, 0.0, None
-    if features is not None:
-        window, cap, sink = (features.left, features.right), features.softcap, features.sink
     _kernels.varlen_forward(
         q, k, v, out, lse, softmax_scale, causal, cfg, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        seqused_k, exact_lse=return_lse, window=window, softcap=cap, learnable_sink=sink,
+        seqused_k, exact_lse=return_lse, **_feature_kwargs(features),
     )  # fmt: skip
     return out, lse
 
@@ -696,9 +706,7 @@ def _varlen_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dv = v.shape[2]
     cfg = config.select_config(q.shape[2], "ws", (tile_m, tile_n), None if dv == q.shape[2] else dv)
-    features = None
-    if window_left >= 0 or window_right >= 0 or softcap or learnable_sink is not None:
-        features = ScoreFeatures(window_left, window_right, softcap, learnable_sink)
+    features = ScoreFeatures.from_op(window_left, window_right, softcap, learnable_sink)
     return _varlen_fwd_impl(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
         cfg, return_lse, features,
