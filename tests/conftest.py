@@ -53,6 +53,16 @@ def pytest_collection_modifyitems(config, items):
                     item.add_marker(skip_compile)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of small CPU problems (`pytest.mark.usefixtures`): one torch thread is faster
+    than two there, and much faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def hopper_gpu() -> torch.device:
     """The CUDA device of a Hopper GPU; skips the test on any other machine."""

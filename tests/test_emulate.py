@@ -10,20 +10,11 @@ import torch
 from hopper_fmha.emulate import block_range, causal_kv_tiles, emulate, emulate_varlen, needs_mask, tile_mask
 from hopper_fmha.reference import reference, reference_varlen
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("one_torch_thread")]
 
 # Both sides are fp64; the online softmax only reorders sums and rescales by exp(m_old - m_new),
 # so they agree to round-off (observed ~1e-15).
 TOL = dict(rtol=1e-10, atol=1e-12)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These problems are small: one thread is faster than two, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 SEQLENS = [

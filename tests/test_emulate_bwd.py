@@ -11,21 +11,12 @@ from hopper_fmha.emulate import block_range
 from hopper_fmha.emulate_bwd import dq_order, emulate_backward, preprocess, query_block_range
 from hopper_fmha.reference import reference, resolve_window
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("one_torch_thread")]
 
 # Both sides fp64; the tiles only regroup the sums (observed <= ~1e-13 on gradients of size ~10).
 TOL = dict(rtol=1e-10, atol=1e-11)
 SCALE = 0.5
 TILES = [(64, 128), (128, 64), (64, 64)]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These problems are small: one thread is faster than two, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _sink(heads):

@@ -17,19 +17,10 @@ from hopper_fmha.emulate import (
 from hopper_fmha.reference import reference
 from hopper_fmha.reference_kvcache import reference_with_kvcache
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("one_torch_thread")]
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These problems are small: one thread is faster than two, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def qkv(batch, seqlen_q, seqlen_k, heads, kv_heads, d=8, dv=None, seed=0):

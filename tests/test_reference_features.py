@@ -10,19 +10,10 @@ import torch
 from hopper_fmha import reference as reference_module
 from hopper_fmha.reference import reference, reference_varlen
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("one_torch_thread")]
 
 # Both sides compute in fp64 on CPU: they differ only by summation order.
 FP64 = dict(rtol=1e-12, atol=1e-12)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These problems are small: one thread is faster than two, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def qkv(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, head_dim_v=None, seed=0):

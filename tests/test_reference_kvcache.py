@@ -8,19 +8,10 @@ import torch
 from hopper_fmha.reference import reference
 from hopper_fmha.reference_kvcache import reference_with_kvcache
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("one_torch_thread")]
 
 FP64 = dict(rtol=1e-12, atol=1e-12)
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These problems are small: one thread is faster than two, and much faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def randn(*shape, seed):
