@@ -88,3 +88,18 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{config:<{width}}  {row['registers']:>4}  {row['stack_bytes']:>7}  {row['compile_s']:>9.1f}"
         )
+
+
+def pytest_runtest_logreport(report):
+    """With $HOPPER_FMHA_TEST_REPORT set (scripts/gpu_tier.py sets one per process), append each
+    test's outcome, and a failure's text, to that file as it happens: a process stopped at the
+    time budget keeps what it ran."""
+    path = os.environ.get("HOPPER_FMHA_TEST_REPORT")
+    if not path or (report.when != "call" and not (report.failed or report.skipped)):
+        return
+    with open(path, "a") as f:
+        f.write(f"{report.outcome.upper()} {report.nodeid} {report.duration:.2f}s\n")
+        if report.failed:
+            text = report.longreprtext
+            f.write(text if len(text) <= 4000 else text[:1000] + "\n[...]\n" + text[-3000:])
+            f.write("\n")

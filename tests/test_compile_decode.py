@@ -5,6 +5,8 @@ causal or not, with a sink, compile for sm_90a without spills.
 Compiled, not run here: tests/test_gpu_kvcache.py checks the numbers on a Hopper GPU.
 """
 
+import inspect
+
 import pytest
 from test_compile_ws_features import inspected_without_spills  # noqa: E402  (tests/ is on sys.path)
 
@@ -17,6 +19,7 @@ from hopper_fmha.config import (
 )
 from hopper_fmha.kernels import feature_key, num_splits_heuristic, score_features, use_pack_gqa
 from hopper_fmha.kernels.cache import KernelKey
+from hopper_fmha.kernels.sm90_ws import WsFwdSm90
 
 pytestmark = pytest.mark.compile
 
@@ -136,3 +139,7 @@ def test_launch_arguments_follow_the_compiled_signature(changes):
     )
     assert len(passed) == len(compiled_extras)
     assert [a is None for a in passed] == [a is None for a in compiled_extras]
+    # All of the kernel's parameters after the stream, every time: an object file loaded from the
+    # disk cache takes exactly its compiled list (a shorter one is a TypeError).
+    params = list(inspect.signature(WsFwdSm90.__call__).parameters)
+    assert len(passed) == len(params) - params.index("stream") - 1

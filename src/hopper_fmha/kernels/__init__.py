@@ -188,22 +188,25 @@ def kvcache_forward(
 def extra_arguments(
     key: KernelKey, features, sequences, partials=None, num_splits=1, page_table=None
 ) -> tuple:
-    """The launch arguments after the stream of a kernel compiled for `key`, in `cache.fake_arguments`'
-    order: the score features' four (None each where off), the sequences' four (cu_seqlens_q,
-    cu_seqlens_k, seqused_k, max_seqlen_q), split-KV's three (out_partial, lse_partial, num_splits)
-    and the page table, each group only where the key takes it."""
-    args = ()
-    if key.extra_arguments:
-        args += tuple(features) if features is not None else (None,) * 4
-    if key.sequence_arguments:
-        args += tuple(sequences)
-    if key.split_kv:
-        args += (*partials, num_splits)
-    elif key.paged:
-        args += (None, None, None)
-    if key.paged:
-        args += (page_table,)
-    return args
+    """The twelve launch arguments after the stream of every ws kernel, in `cache.fake_arguments`'
+    order, None where `key` does not take them: the score features' four (window_left,
+    window_right, softcap, learnable_sink), the sequences' four (cu_seqlens_q, cu_seqlens_k,
+    seqused_k, max_seqlen_q), split-KV's three (out_partial, lse_partial, num_splits) and the page
+    table.
+
+    All twelve always: a kernel loaded from the disk cache takes exactly its compiled parameter
+    list (the in-process compiled one also accepts a shorter list, filling the defaults)."""
+    args = tuple(features) if features is not None else NO_FEATURES
+    args += tuple(sequences) if key.sequence_arguments else NO_SEQUENCES
+    args += (*partials, num_splits) if key.split_kv else NO_SPLITS
+    return args + (page_table if key.paged else None,)
+
+
+NO_FEATURES = (None,) * 4
+NO_SEQUENCES = (None,) * 4
+NO_SPLITS = (None,) * 3
+# The tail of a ws kernel without score features, sequences, splits or pages.
+NO_EXTRAS = NO_FEATURES + NO_SEQUENCES + NO_SPLITS + (None,)
 
 
 # Split-KV partials, per device: one float32 buffer grown to the largest call's need and reused
@@ -376,9 +379,8 @@ def launch_arguments(
     # Causal ws kernels always take tiles from the counters (one CTA per tile included).
     counters, slot = _tile_counters(q.get_device(), causal)
     args = (q, k, v, out, lse, softmax_scale, group, ctas, lpt_group, counters, slot)
-    if features is not None:
-        args += tuple(features)
-    return args
+    # The twelve after the stream (`extra_arguments`): a kernel loaded from disk takes them all.
+    return args + (NO_EXTRAS if features is None else tuple(features) + NO_EXTRAS[4:])
 
 
 def schedule(q, k, causal: bool, mode: str | None = None) -> tuple[int, int]:

@@ -74,11 +74,6 @@ class KernelKey(NamedTuple):
         max_seqlen_q; those it does not use None), which split_kv's follow."""
         return self.varlen or self.seqused_k or self.split_kv or self.paged
 
-    @property
-    def extra_arguments(self) -> bool:
-        """Whether its kernel takes the features' launch arguments (and then the sequences')."""
-        return self.features or self.sequence_arguments
-
     @classmethod
     def from_config(cls, dtype: str, causal: bool, cfg) -> KernelKey:
         """The key of `cfg` (a `hopper_fmha.config.KernelConfig`) for a dtype name and mask."""
@@ -184,14 +179,13 @@ def _kernel_object(key: KernelKey):
 
 def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
     """Compile-time stand-ins for (q, k, v, out, lse, scale, qhead_per_kvhead, [ws: max_ctas,
-    lpt_group, tile_counters, counter_slot,] stream[, window_left, window_right, softcap,
-    learnable_sink[, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q[, out_partial,
-    lse_partial, num_splits]]]).
+    lpt_group, tile_counters, counter_slot,] stream[, ws: window_left, window_right, softcap,
+    learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, out_partial,
+    lse_partial, num_splits, page_table]).
 
-    The score features' four for keys with a score feature or varlen (`KernelKey.extra_arguments`),
-    each None where the key does not use it, then varlen's four (seqused_k None unless the key
-    has it); `kernels.launch_arguments` passes the same. Varlen: q, k, v, out (total, h, d) and
-    lse (h, total_q).
+    A ws kernel takes all twelve after the stream, None where its key does not use one
+    (`kernels.extra_arguments` passes the same): an object file loaded from the disk cache checks
+    the count. Varlen: q, k, v, out (total, h, d) and lse (h, total_q).
 
     Batch, sequence lengths and head counts are symbolic, so one compiled kernel serves them all;
     strides are symbolic 64-bit values divisible by 8 elements (16 bytes, as TMA requires).
@@ -253,7 +247,13 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
         )
         scalars += (cutlass.Int32(0), cutlass.Int32(0), counters, cutlass.Int32(0))
     features = ()
-    if key.variant == "ws" and key.extra_arguments:
+    if key.variant == "ws":  # the twelve after the stream, None where the key does not take them
+
+        def int32_vector():
+            return cute.runtime.make_fake_tensor(
+                cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4
+            )
+
         sink = None
         if key.sink:
             sink = cute.runtime.make_fake_tensor(cutlass.Float32, (h,), stride=(1,), assumed_align=4)
@@ -263,39 +263,32 @@ def fake_arguments(key: KernelKey, *, tvm_ffi: bool = True):
             cutlass.Float32(1.0) if key.softcap else None,
             sink,
         )
-    if key.variant == "ws" and key.sequence_arguments:
-
-        def int32_vector():
-            return cute.runtime.make_fake_tensor(
-                cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4
-            )
-
         used = int32_vector() if key.seqused_k else None
         if key.varlen:
             features += (int32_vector(), int32_vector(), used, cutlass.Int32(1))
         else:
             features += (None, None, used, None)
-    if key.variant == "ws" and key.split_kv:
-        splits = cute.sym_int()
-        o_partial = cute.runtime.make_fake_tensor(
-            cutlass.Float32,
-            (splits, b, sq, h, dv),
-            stride=tuple(cute.sym_int64(divisibility=4) for _ in range(4)) + (1,),
-            assumed_align=16,
-        )
-        lse_strides = (*(cute.sym_int64() for _ in range(3)), 1)
-        lse_partial = cute.runtime.make_fake_tensor(
-            cutlass.Float32, (splits, b, h, sq), stride=lse_strides, assumed_align=4
-        )
-        features += (o_partial, lse_partial, cutlass.Int32(1))
-    elif key.variant == "ws" and key.paged:
-        features += (None, None, None)
-    if key.variant == "ws" and key.paged:
-        features += (
-            cute.runtime.make_fake_tensor(
+        if key.split_kv:
+            splits = cute.sym_int()
+            o_partial = cute.runtime.make_fake_tensor(
+                cutlass.Float32,
+                (splits, b, sq, h, dv),
+                stride=tuple(cute.sym_int64(divisibility=4) for _ in range(4)) + (1,),
+                assumed_align=16,
+            )
+            lse_strides = (*(cute.sym_int64() for _ in range(3)), 1)
+            lse_partial = cute.runtime.make_fake_tensor(
+                cutlass.Float32, (splits, b, h, sq), stride=lse_strides, assumed_align=4
+            )
+            features += (o_partial, lse_partial, cutlass.Int32(1))
+        else:
+            features += (None, None, None)
+        page_table = None
+        if key.paged:
+            page_table = cute.runtime.make_fake_tensor(
                 cutlass.Int32, (b, cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
-            ),
-        )
+            )
+        features += (page_table,)
     return (q, k, v, o, lse, *scalars, stream, *features)
 
 

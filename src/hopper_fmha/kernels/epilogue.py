@@ -180,7 +180,11 @@ class Epilogue:
         groups = self.o_cols // 8
         pass_layout = cute.make_layout(((2, 2, groups), 1, 1), stride=((1, 2, 4), 0, 0))
         issuer = wtid < 32
-        for h in cutlass.range_constexpr(self.head_dim // self.o_cols):
+        # Passes over the data's columns only: where v's head dim is padded (256 data columns of
+        # 128), a pass past them would find gO's column mode of size 1 (stride 0) and store the
+        # padding's zeros over pass 0's columns.
+        passes = min(self.head_dim // self.o_cols, cute.size(gO, mode=[2]))
+        for h in cutlass.range_constexpr(passes):
             if issuer:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=self.barrier_o_slot + wg, number_of_threads=WARPGROUP)

@@ -857,10 +857,17 @@ class WsFwdSm90:
                 n_first = n_max - 1
                 n_masked_end = cutlass.min(n_unmasked, n_first)  # blocks [n_masked_end, n_first) need a mask
                 # Unmasked blocks [n_left_end, n_masked_end), then (left window) the masked
-                # blocks [n_min, n_left_end) at the window's left edge.
-                n_left_end = 0
+                # blocks [n_min, n_left_end) at the window's left edge. Without split-KV, n_min is
+                # the constant 0 unless there is a left window.
+                n_left_end = n_min
                 if const_expr(self.window_left):
                     n_left_end = cutlass.min(n_left_masked, n_masked_end)
+                if const_expr(self.split_kv):
+                    # A split's blocks are [n_min, n_max) of the whole range: its loops stop at
+                    # n_min, where the producer's loads stop (else the consumers wait for blocks
+                    # never loaded: split-KV hung on the GPU before this).
+                    n_masked_end = cutlass.max(n_masked_end, n_min)
+                    n_left_end = cutlass.min(cutlass.max(n_left_end, n_min), n_masked_end)
                 if const_expr(self.intra_wg_overlap):
                     k_state = self.first_block(n_first, k_state, ctx)
                     for i in cutlass.range(n_first - n_masked_end, unroll=1):
@@ -869,7 +876,7 @@ class WsFwdSm90:
                     if const_expr(self.trim):
                         # The first unmasked block's GEMM-II takes P of the last masked block,
                         # which may be trimmed: that one step checks (`pv_trimmed`).
-                        if n_masked_end > 0:
+                        if n_masked_end > n_min:
                             k_state, v_state = self.overlapped_block(
                                 n_masked_end - 1, False, k_state, v_state, ctx, pv_trimmed=True
                             )
