@@ -98,7 +98,8 @@ def test_num_splits_heuristic():
     # Tiles that fill the SMs: no split.
     assert num_splits_heuristic(64, 32, 1, 8192, cfg, 132) == 1
     # batch 1, 8 heads, 128k keys: enough splits to fill 132 SMs.
-    assert num_splits_heuristic(1, 8, 1, 131072, cfg, 132) == 17
+    assert num_splits_heuristic(1, 8, 1, 131072, cfg, 132) == 16  # one wave: 128 CTAs on 132 SMs
+    assert num_splits_heuristic(4, 8, 1, 131072, cfg, 132) == 4  # 128 CTAs, not 5 splits in 160
     # Few key blocks: no split.
     assert num_splits_heuristic(1, 8, 1, 512, cfg, 132) == 1
 
