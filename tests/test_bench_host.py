@@ -48,3 +48,24 @@ def test_host_stage_table():
     assert "| 1.2 | 3.0 |" in lines[2]
     assert "no GPU" in lines[3] and len(lines) == 4
     assert report.host_stage_table({"records": results["records"][2:]}) == ""
+
+
+def test_host_stages_call_the_interface_as_it_is(monkeypatch):
+    """`bench.hostpath.host_stages` on CPU tensors, the GPU-only pieces stubbed: every stage calls
+    the interface's helpers with their current signatures (a stale call broke the H200 profile
+    of 2026-11-24 with a TypeError in every row)."""
+    import torch
+
+    from hopper_fmha import interface, kernels
+    from hopper_fmha.bench import hostpath
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **kw: None)
+    monkeypatch.setattr(interface, "_check_device", lambda *a: None)
+    monkeypatch.setattr(interface, "flash_attn_func", lambda *a, **kw: None)
+    monkeypatch.setattr(kernels, "prepared_launch", lambda *a, **kw: (lambda *args: None, ()))
+    monkeypatch.setattr(kernels, "forward", lambda *a, **kw: None)
+    q = torch.randn(1, 128, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 128, 2, 64, dtype=torch.bfloat16)
+    stages = hostpath.host_stages(q, k, v, causal=True, calls=2)
+    assert set(stages) >= {"flash_attn_func", "validate", "allocate out, lse", "kernels.forward"}
+    assert all(t >= 0 for t in stages.values())

@@ -26,13 +26,13 @@ def host_stages(q, k, v, causal: bool, calls: int = 300) -> dict[str, float]:
     from hopper_fmha import interface, kernels
 
     scale, cfg = interface._validate(q, k, v, None, causal, None, None)
-    out, lse = interface._empty_outputs(q)
+    out, lse = interface._empty_outputs(q, v.shape[3])
     fn, args = kernels.prepared_launch(q, k, v, out, lse, scale, causal, cfg, exact_lse=False)
     stages = {
         "flash_attn_func": lambda: interface.flash_attn_func(q, k, v, causal=causal),
         "validate": lambda: interface._validate(q, k, v, None, causal, None, None),
         "device check": lambda: interface._check_device(q, k, v),
-        "allocate out, lse": lambda: interface._empty_outputs(q),
+        "allocate out, lse": lambda: interface._empty_outputs(q, v.shape[3]),
         "conform strides": lambda: (
             interface._conforming(q),
             interface._conforming(k),
