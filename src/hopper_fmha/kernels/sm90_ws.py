@@ -862,12 +862,7 @@ class WsFwdSm90:
                 n_left_end = n_min
                 if const_expr(self.window_left):
                     n_left_end = cutlass.min(n_left_masked, n_masked_end)
-                if const_expr(self.split_kv):
-                    # A split's blocks are [n_min, n_max) of the whole range: its loops stop at
-                    # n_min, where the producer's loads stop (else the consumers wait for blocks
-                    # never loaded: split-KV hung on the GPU before this).
-                    n_masked_end = cutlass.max(n_masked_end, n_min)
-                    n_left_end = cutlass.min(cutlass.max(n_left_end, n_min), n_masked_end)
+
                 if const_expr(self.intra_wg_overlap):
                     k_state = self.first_block(n_first, k_state, ctx)
                     for i in cutlass.range(n_first - n_masked_end, unroll=1):
@@ -1031,6 +1026,12 @@ class WsFwdSm90:
             per_split = (n_max - n_min + num_splits - 1) // num_splits
             n_min = n_min + split * per_split
             n_max = cutlass.max(cutlass.min(n_min + per_split, n_max), n_min)
+            # The consumers' loops stop at n_min, where the producer's loads stop (the bounds
+            # below n_min, of the whole range, had them wait for blocks never loaded: split-KV
+            # hung on the GPU before this).
+            n_unmasked = cutlass.max(n_unmasked, n_min)
+            if const_expr(self.window_left):
+                n_left_masked = cutlass.max(n_left_masked, n_min)
         return n_min, n_max, n_left_masked, n_unmasked
 
     @cute.jit
