@@ -1,0 +1,413 @@
+"""Backward pass, first version (WIP, compile tier only: not yet run on a GPU).
+
+The main loop of `hopper_fmha.emulate_bwd` (its docstring is the specification) as one warpgroup
+per CTA, correctness first: no warp specialization, one stage per buffer, every step waits for
+its loads and GEMMs. A CTA owns key block n (tile_n = 64 keys) of one (batch, q head) and walks
+the query blocks (tile_m = 64 rows) that see a key of it, ascending:
+
+    S^T  = K_n Q_m^T                 SS-WGMMA, M = keys, N = queries, K = d
+    P^T  = exp2(S^T * scale log2 e - LSE_m log2 e), 0 where masked or out of range
+    dP^T = V_n dO_m^T                SS-WGMMA, M = keys, N = queries, K = d
+    dS^T = P^T * (dP^T - D_m)
+    dV_n += P^T dO_m                 RS-WGMMA: P^T from registers (16-bit), dO^T as MN-major B
+    dK_n += dS^T Q_m                 RS-WGMMA: dS^T from registers, Q^T as MN-major B
+    dQacc[m] += scale * dS K_n       dS^T through shared memory (stmatrix), read back transposed
+                                     as an MN-major A; K^T as MN-major B; fp32 atomics to global
+
+Working with S^T (keys as rows) puts P^T and dS^T in the accumulator layout that RS-WGMMA takes as
+operand A for dV and dK (FlashAttention-3's choice); only dQ needs dS through shared memory.
+
+The epilogue writes dK_n * scale and dV_n in fp32 per q head; the host sums a GQA group's heads
+into their kv head and casts (`kernels.backward`). D = rowsum(dO * O) and the zeroed fp32 dQ
+accumulator come from the host (torch), as does dQ = cast(dQacc).
+
+Layout of the arguments: Q, dO (b, s_q, h, d); K, V (b, s_k, h_kv, d) 16-bit; LSE, D (b, h, s_q)
+float32 (LSE natural log; -inf for a row without keys); dQacc (b, s_q, h, d), dK, dV (b, s_k, h, d)
+float32.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+
+from .sm90_common import (
+    LOG2_E,
+    acc_mn_layout,
+    acc_to_operand_a_layout,
+    convert,
+    gemm,
+    smem_layout,
+    stmatrix_copy,
+    tiled_mma_64,
+    tma_load,
+)
+
+NUM_THREADS = 128
+TILE = 64  # keys per CTA and queries per step
+
+
+class BwdSm90:
+    """Compile-time configuration of the first backward kernel; `__call__` launches it."""
+
+    def __init__(self, dtype, head_dim: int, causal: bool):
+        assert head_dim in (64, 128), "the first backward kernel takes head_dim 64 or 128"
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+
+    # ---------------------------------------------------------------- host side
+    def _tiled_mmas(self):
+        d = self.head_dim
+        rmem = warpgroup.OperandSource.RMEM
+        return (
+            # S^T = K Q^T and dP^T = V dO^T: A = K or V (keys x d), B = Q or dO (queries x d), K-major.
+            tiled_mma_64(self.dtype, OperandMajorMode.K, TILE),
+            # dV += P^T dO and dK += dS^T Q: A from registers, B = dO^T or Q^T (d x queries), MN-major.
+            tiled_mma_64(self.dtype, OperandMajorMode.MN, d, a_source=rmem),
+            # dQ = dS K: A = dS (queries x keys) read transposed from dS^T's buffer, B = K^T, both MN-major.
+            sm90_utils.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                OperandMajorMode.MN,
+                OperandMajorMode.MN,
+                Float32,
+                atom_layout_mnk=(1, 1, 1),
+                tiler_mn=(TILE, d),
+            ),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mD: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        qhead_per_kvhead: Int32,
+        stream: cuda.CUstream,
+    ):
+        # Sequence first, as TMA and WGMMA take them: (s, d, h, b); LSE and D (s, h, b).
+        mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+            for t in (mQ, mK, mV, mdO, mdQacc, mdK, mdV)
+        ]
+        mLSE, mD = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mD)]
+
+        tiled_mma_s, tiled_mma_kv, tiled_mma_dq = self._tiled_mmas()
+        s_layout = smem_layout(self.dtype, TILE, self.head_dim)
+        ds_layout = smem_layout(self.dtype, TILE, TILE)
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        box = (TILE, self.head_dim)
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_op, mQ, s_layout, box)
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(tma_op, mdO, s_layout, box)
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, s_layout, box)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, s_layout, box)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 4]  # K, V (once), Q, dO (per query block)
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            mLSE, mD, mdQacc, mdK, mdV, softmax_scale, qhead_per_kvhead,
+            s_layout, ds_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq, SharedStorage,
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)  # fmt: skip
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_dO: cute.CopyAtom,
+        mdO: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        mV: cute.Tensor,
+        mLSE: cute.Tensor,
+        mD: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        softmax_scale: Float32,
+        qhead_per_kvhead: Int32,
+        s_layout: cute.ComposedLayout,
+        ds_layout: cute.ComposedLayout,
+        tiled_mma_s: cute.TiledMma,
+        tiled_mma_kv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        d = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head, batch = cute.arch.block_idx()
+        head_kv = head // qhead_per_kvhead
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        is_tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
+        scale_log2 = softmax_scale * LOG2_E
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        mbar_K = storage.mbar.data_ptr()
+        mbar_V, mbar_Q, mbar_dO = mbar_K + 1, mbar_K + 2, mbar_K + 3
+        sK, sV, sQ, sdO = (
+            buf.get_tensor(s_layout.outer, swizzle=s_layout.inner)
+            for buf in (storage.sK, storage.sV, storage.sQ, storage.sdO)
+        )
+        sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # dS^T: keys x queries
+        # Transposed views (the forward's V^T): (d, 64) of a (64, d) buffer, and dS (queries x keys).
+        transposed = cute.make_ordered_layout((d, TILE), order=(1, 0))
+        sQt, sdOt, sKt = (cute.composition(t, transposed) for t in (sQ, sdO, sK))
+        sdSt = cute.composition(sdS, cute.make_ordered_layout((TILE, TILE), order=(1, 0)))
+
+        if is_tma_warp:
+            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(4):
+                    cute.arch.mbarrier_init(mbar_K + i, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE, d), (n_block, 0))
+        gQ = cute.local_tile(mQ[None, None, head, batch], (TILE, d), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head, batch], (TILE, d), (None, 0))
+
+        def partition(atom, smem_tile, gmem_tiles):
+            s_grouped, g_grouped = cute.group_modes(smem_tile, 0, 2), cute.group_modes(gmem_tiles, 0, 2)
+            return cpasync.tma_partition(atom, 0, cute.make_layout(1), s_grouped, g_grouped)
+
+        tKsK, tKgK = partition(tma_atom_K, sK, gK)
+        tVsV, tVgV = partition(tma_atom_V, sV, gV)
+        tQsQ, tQgQ = partition(tma_atom_Q, sQ, gQ)
+        tOsdO, tOgdO = partition(tma_atom_dO, sdO, gdO)
+        tile_bytes = cute.size_in_bytes(self.dtype, s_layout)
+
+        if is_tma_warp:
+            tma_load(tma_atom_K, tKgK, tKsK, mbar_K, tile_bytes)
+            tma_load(tma_atom_V, tVgV, tVsV, mbar_V, tile_bytes)
+
+        thr_s = tiled_mma_s.get_slice(tidx)
+        thr_kv = tiled_mma_kv.get_slice(tidx)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        tSrK = thr_s.make_fragment_A(thr_s.partition_A(sK))
+        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ))
+        tPrV = thr_s.make_fragment_A(thr_s.partition_A(sV))
+        tPrdO = thr_s.make_fragment_B(thr_s.partition_B(sdO))
+        tVrdOt = thr_kv.make_fragment_B(thr_kv.partition_B(sdOt))
+        tKrQt = thr_kv.make_fragment_B(thr_kv.partition_B(sQt))
+        tQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdSt))
+        tQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))
+
+        acc_shape_S = thr_s.partition_shape_C((TILE, TILE))
+        acc_dV = thr_kv.make_fragment_C(thr_kv.partition_shape_C((TILE, d)))
+        acc_dK = thr_kv.make_fragment_C(thr_kv.partition_shape_C((TILE, d)))
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # This thread's (key, query) coordinates in an S^T tile, as rows and columns.
+        cS = thr_s.partition_C(cute.make_identity_tensor((TILE, TILE)))
+        tScS = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
+        smem_copy_dS = stmatrix_copy(self.dtype, tiled_mma_s, tidx)
+        tdSsdS = smem_copy_dS.partition_D(sdS)
+
+        # Query blocks that see a key of this block: all, or (causal, bottom-right aligned) those
+        # whose last row reaches the block's first key: row i sees key j iff j <= i + s_k - s_q.
+        num_m = (seqlen_q + TILE - 1) // TILE
+        m_min = 0
+        if const_expr(self.causal):
+            first_row = n_block * TILE - (seqlen_k - seqlen_q)  # the first row that sees the first key
+            m_min = cutlass.max(first_row, 0) // TILE
+        n0 = n_block * TILE
+        cute.arch.mbarrier_wait(mbar_K, 0)
+        cute.arch.mbarrier_wait(mbar_V, 0)
+        phase = Int32(0)
+        for m_block in cutlass.range(m_min, num_m, unroll=1):
+            if is_tma_warp:
+                tma_load(tma_atom_Q, tQgQ[None, m_block], tQsQ, mbar_Q, tile_bytes)
+                tma_load(tma_atom_dO, tOgdO[None, m_block], tOsdO, mbar_dO, tile_bytes)
+            m0 = m_block * TILE
+            cute.arch.mbarrier_wait(mbar_Q, phase)
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            gemm(tiled_mma_s, acc_S, tSrK, tSrQ, zero_init=True, wg_wait=-1)
+            cute.arch.mbarrier_wait(mbar_dO, phase)
+            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
+            gemm(tiled_mma_s, acc_dP, tPrV, tPrdO, zero_init=True, wg_wait=0)
+            phase = phase ^ 1
+
+            # P^T and dS^T in place of S^T and dP^T.
+            acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+            acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                q = m0 + tScS[0, c][1]
+                lse_log2 = Float32.inf  # rows past the end and rows without keys: P = 0
+                dsum = Float32(0.0)
+                if q < seqlen_q:
+                    lse = mLSE[q, head, batch]
+                    if lse != -Float32.inf:
+                        lse_log2 = lse * LOG2_E
+                    dsum = mD[q, head, batch]
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    key = n0 + tScS[r, c][0]
+                    # Visible: inside the keys, and (causal) key <= q + s_k - s_q: the bound is
+                    # folded into one limit (a key past either one gets P = 0).
+                    limit = seqlen_k
+                    if const_expr(self.causal):
+                        limit = cutlass.min(seqlen_k, q + seqlen_k - seqlen_q + 1)
+                    p = Float32(0.0)
+                    if key < limit:
+                        p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2, fastmath=True)
+                    acc_S_mn[r, c] = p
+                    acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dsum)
+
+            rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+            convert(acc_S, rP)
+            rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
+            convert(acc_dP, rdS)
+            # dS^T to shared memory for dQ (the previous step's dQ GEMM has completed: wait_group 0).
+            cute.copy(smem_copy_dS, smem_copy_dS.retile(rdS), tdSsdS)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_threads()
+
+            tVrP = cute.make_tensor(rP.iterator, acc_to_operand_a_layout(rP.layout))
+            tKrdS = cute.make_tensor(rdS.iterator, acc_to_operand_a_layout(rdS.layout))
+            gemm(tiled_mma_kv, acc_dV, tVrP, tVrdOt, zero_init=False, wg_wait=-1)
+            gemm(tiled_mma_kv, acc_dK, tKrdS, tKrQt, zero_init=False, wg_wait=-1)
+            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE, d)))
+            gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True, wg_wait=0)
+            # Every GEMM reading Q, dO and dS^T has completed: the next block may overwrite them.
+            cute.arch.sync_threads()
+
+            self.add_dq(acc_dQ, thr_dq, mdQacc, softmax_scale, m0, head, batch, seqlen_q)
+
+        self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, head, batch, seqlen_k)
+
+    @cute.jit
+    def add_dq(self, acc_dQ, thr_dq, mdQacc, scale, m0, head, batch, seqlen_q):
+        """dQacc[m0 + i, :] += scale * acc_dQ[i, :] by fp32 atomics, rows inside the sequence."""
+        cQ = thr_dq.partition_C(cute.make_identity_tensor((TILE, self.head_dim)))
+        cQ_mn = cute.make_tensor(cQ.iterator, acc_mn_layout(cQ.layout))
+        acc_mn = cute.make_tensor(acc_dQ.iterator, acc_mn_layout(acc_dQ.layout))
+        gdQ = mdQacc[None, None, head, batch]
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            q = m0 + cQ_mn[r, 0][0]
+            if q < seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    col = cQ_mn[r, c][1]
+                    ptr = gdQ.iterator + cute.crd2idx((q, col), gdQ.layout)
+                    cute.arch.atomic_add(ptr, acc_mn[r, c] * scale)
+
+    @cute.jit
+    def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen_k):
+        """dK * scale and dV of this key block, fp32, rows inside the sequence (this q head's)."""
+        cK = thr_kv.partition_C(cute.make_identity_tensor((TILE, self.head_dim)))
+        cK_mn = cute.make_tensor(cK.iterator, acc_mn_layout(cK.layout))
+        dK_mn = cute.make_tensor(acc_dK.iterator, acc_mn_layout(acc_dK.layout))
+        dV_mn = cute.make_tensor(acc_dV.iterator, acc_mn_layout(acc_dV.layout))
+        for r in cutlass.range_constexpr(cute.size(dK_mn, mode=[0])):
+            key = n0 + cK_mn[r, 0][0]
+            if key < seqlen_k:
+                for c in cutlass.range_constexpr(cute.size(dK_mn, mode=[1])):
+                    col = cK_mn[r, c][1]
+                    mdK[key, col, head, batch] = dK_mn[r, c] * scale
+                    mdV[key, col, head, batch] = dV_mn[r, c]
+
+
+_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+
+
+def fake_arguments(dtype, head_dim: int):
+    """Compile-time stand-ins for `BwdSm90.__call__`'s arguments: sizes symbolic, 16-bit and fp32
+    tensors with TMA-ready strides (multiples of 8 elements, 16-byte aligned), LSE and D's last
+    mode contiguous; the stream TVM-FFI's current one."""
+    b, sq, sk, h, hkv = (cute.sym_int() for _ in range(5))
+
+    def bshd(seqlen, heads, elem):
+        stride = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
+        return cute.runtime.make_fake_tensor(
+            elem, (b, seqlen, heads, head_dim), stride=stride, assumed_align=16
+        )
+
+    def bhs():
+        return cute.runtime.make_fake_tensor(
+            Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+        )
+
+    q, do = bshd(sq, h, dtype), bshd(sq, h, dtype)
+    k, v = bshd(sk, hkv, dtype), bshd(sk, hkv, dtype)
+    dq, dk, dv = bshd(sq, h, Float32), bshd(sk, h, Float32), bshd(sk, h, Float32)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return (q, k, v, do, bhs(), bhs(), dq, dk, dv, Float32(1.0), Int32(1), stream)
+
+
+def compile_bwd(dtype_name: str, head_dim: int, causal: bool, options: str = ""):
+    """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
+    `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
+    dtype = _DTYPES[dtype_name]
+    opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
+    return cute.compile(BwdSm90(dtype, head_dim, causal), *fake_arguments(dtype, head_dim), options=opts)
+
+
+_compiled: dict = {}
+
+
+def backward(q, k, v, out, dout, lse, softmax_scale: float, causal: bool):
+    """(dq, dk, dv) of `flash_attn_func`'s forward (q, k, v, out, lse as it returned them), for
+    the upstream gradient dout; d = 64 or 128, fp16/bf16, BSHD, GQA/MQA. Not yet run on a GPU.
+
+    D = rowsum(dout * out) and the zeroed fp32 dQ accumulator are torch operations here; the
+    kernel writes per-q-head fp32 dK, dV that a GQA group's sum reduces to its kv head."""
+    import torch
+
+    dtype_name = str(q.dtype).removeprefix("torch.")
+    batch, seqlen_q, heads, d = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    if dtype_name not in _DTYPES or d not in (64, 128) or v.shape[3] != d:
+        raise NotImplementedError(
+            f"the backward kernel takes float16/bfloat16 with head_dim 64 or 128 (v's the same); "
+            f"got {q.dtype}, head_dim {d}, head_dim_v {v.shape[3]}"
+        )
+    if dout.shape != out.shape or dout.dtype != out.dtype:
+        raise ValueError(
+            f"dout must match out: {tuple(out.shape)} {out.dtype}, got {tuple(dout.shape)} {dout.dtype}"
+        )
+    q, k, v, dout = (
+        t if t.stride(-1) == 1 and t.is_contiguous() else t.contiguous() for t in (q, k, v, dout)
+    )
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (b, h, s_q)
+    lse = lse.contiguous()
+    dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
+    dk = torch.empty(batch, seqlen_k, heads, d, device=q.device, dtype=torch.float32)
+    dv = torch.empty_like(dk)
+    key = (dtype_name, d, bool(causal))
+    fn = _compiled.get(key)
+    if fn is None:
+        fn = _compiled[key] = compile_bwd(*key)
+    if seqlen_k > 0 and seqlen_q > 0:
+        fn(q, k, v, dout, lse, delta, dq_acc, dk, dv, softmax_scale, heads // kv_heads)
+    else:
+        dk.zero_()
+        dv.zero_()
+    group = heads // kv_heads
+    dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
+    dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
+    return dq_acc.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
