@@ -216,7 +216,9 @@ def flash_attn_with_kvcache(
             into the cache in place at cache_seqlens[b] .. + seqlen_new - 1, then attended.
         cache_seqlens: tokens already in each sequence's cache: an int, an int32 (batch,) tensor
             on q's device, or None (the whole capacity, no new tokens).
-        page_table: paged caches are not supported yet (an error).
+        page_table: None, or (batch, pages per sequence) int32 on q's device: then k_cache, v_cache
+            are pages (num_pages, page_size, kv_heads, head_dim / head_dim_v), page_size a multiple
+            of 16, and sequence b's token t is in page page_table[b, t // page_size].
         softmax_scale, causal, window_size, softcap, learnable_sink: as `flash_attn_func`, the
             masks aligned to the bottom-right: the end of each sequence's keys.
         num_splits: key ranges per query tile (split-KV); 0 chooses (`kernels.num_splits_heuristic`).

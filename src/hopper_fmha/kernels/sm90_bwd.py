@@ -31,7 +31,6 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
@@ -70,15 +69,7 @@ class BwdSm90:
             # dV += P^T dO and dK += dS^T Q: A from registers, B = dO^T or Q^T (d x queries), MN-major.
             tiled_mma_64(self.dtype, OperandMajorMode.MN, d, a_source=rmem),
             # dQ = dS K: A = dS (queries x keys) read transposed from dS^T's buffer, B = K^T, both MN-major.
-            sm90_utils.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                OperandMajorMode.MN,
-                OperandMajorMode.MN,
-                Float32,
-                atom_layout_mnk=(1, 1, 1),
-                tiler_mn=(TILE, d),
-            ),
+            tiled_mma_64(self.dtype, OperandMajorMode.MN, d, a_major=OperandMajorMode.MN),
         )
 
     @cute.jit

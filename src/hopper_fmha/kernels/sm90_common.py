@@ -19,14 +19,15 @@ LN_2 = math.log(2.0)
 
 
 def tiled_mma_64(
-    dtype, b_major, n: int, num_wg: int = 1, a_source=warpgroup.OperandSource.SMEM
+    dtype, b_major, n: int, num_wg: int = 1, a_source=warpgroup.OperandSource.SMEM, a_major=OperandMajorMode.K
 ) -> cute.TiledMma:
-    """A warpgroup MMA on 64 x n tiles, A K-major, fp32 accumulators; num_wg warpgroups stack
-    along M (warpgroup w computes rows [64w, 64w + 64))."""
+    """A warpgroup MMA on 64 x n tiles, A K-major unless a_major says (MN-major: from shared
+    memory only), fp32 accumulators; num_wg warpgroups stack along M (warpgroup w computes rows
+    [64w, 64w + 64))."""
     return sm90_utils.make_trivial_tiled_mma(
         dtype,
         dtype,
-        OperandMajorMode.K,
+        a_major,
         b_major,
         Float32,
         atom_layout_mnk=(num_wg, 1, 1),
