@@ -11,23 +11,29 @@ from hopper_fmha.kernels.inspect import kernel_resources, sass, sass_summary
 pytestmark = pytest.mark.compile
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_backward_compiles_without_spills(dtype, head_dim, causal):
+def test_backward_compiles_without_spills(dtype, head_dim, causal, deterministic):
     from hopper_fmha.kernels.sm90_bwd import compile_bwd
 
     with tempfile.TemporaryDirectory() as dump:
-        compiled = compile_bwd(dtype, head_dim, causal, options=f"--keep-cubin --dump-dir={dump}")
+        compiled = compile_bwd(
+            dtype, head_dim, causal, deterministic, options=f"--keep-cubin --dump-dir={dump}"
+        )
         cubin = compiled.artifacts.CUBIN
     resources = kernel_resources(cubin)
     assert resources["stack_bytes"] == 0, f"{resources['stack_bytes']} bytes of stack: registers spill"
     try:
-        summary = sass_summary(sass(cubin))
+        text = sass(cubin)
     except RuntimeError as e:  # no nvdisasm
         pytest.skip(str(e))
+    summary = sass_summary(text)
     assert summary["ldl"] == 0 and summary["stl"] == 0
     # Per query block: S^T and dP^T (K = d, 16 per WGMMA), dQ (K = 64 keys); dV and dK (K = 64 queries).
     assert summary["hgmma_ss"] == 2 * head_dim // 16 + 64 // 16
     assert summary["hgmma_rs"] == 2 * 64 // 16
     assert summary["utmaldg"] > 0
+    # The semaphores' GPU-scope fence (release) exists in deterministic mode only.
+    assert ("MEMBAR.ALL.GPU" in text) == deterministic

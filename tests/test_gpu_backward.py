@@ -65,3 +65,114 @@ def test_backward_matches_reference(hopper_gpu, dtype, d, causal, seqlens, heads
         err = (ours.double() - r).abs().max().item()
         tol = 2 * (b.double() - r).abs().max().item() + GRAD_FLOOR[dtype] * max(1.0, r.abs().max().item())
         assert err <= tol, f"{name}: error {err:.3g} > {tol:.3g}"
+
+
+# ---- through flash_attn_func's autograd (HOPPER_FMHA_BACKWARD=1) ----
+
+AUTOGRAD_SEQLENS = [(1, 1), (113, 203), (239, 1), (1023, 1024)]
+
+
+@pytest.fixture
+def backward_on(monkeypatch):
+    monkeypatch.setenv("HOPPER_FMHA_BACKWARD", "1")
+
+
+def check_grads(ours, ref, base, dtype):
+    for name, o, r, b in zip(("dq", "dk", "dv"), ours, ref, base, strict=True):
+        assert o.shape == r.shape and o.dtype == dtype, name
+        err = (o.double() - r).abs().max().item()
+        tol = 2 * (b.double() - r).abs().max().item() + GRAD_FLOOR[dtype] * max(1.0, r.abs().max().item())
+        assert err <= tol, f"{name}: error {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("seqlens", AUTOGRAD_SEQLENS, ids=[f"{a}x{b}" for a, b in AUTOGRAD_SEQLENS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_autograd_matches_reference(hopper_gpu, backward_on, dtype, deterministic, causal, seqlens, heads):
+    import hopper_fmha
+
+    sq, sk = seqlens
+    h, hkv = HEADS[heads]
+    seed = zlib.crc32(repr(("autograd", causal, seqlens, heads, str(dtype))).encode())
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, sq, sk, h, hkv, 128, dtype, seed))
+    out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+    assert out.grad_fn is not None
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    ref = grads(q, k, v, dout, d_scale(q), causal, torch.float64)
+    check_grads(ours, ref, grads(q, k, v, dout, d_scale(q), causal, dtype), dtype)
+
+
+def d_scale(q):
+    return q.shape[-1] ** -0.5
+
+
+def test_lse_gradient(hopper_gpu, backward_on):
+    # <out, dO> + <lse, dlse>: the LSE's gradient enters D (backward.row_delta).
+    import hopper_fmha
+
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 300, 300, 4, 2, 64, torch.float16, 11))
+    out, lse = hopper_fmha.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    ours = torch.autograd.grad((out.float() * dout.float()).sum() + (lse * dlse).sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    from hopper_fmha.reference import reference
+
+    ro, rl = reference(*leaves, causal=True, dtype=torch.float64)
+    ref = torch.autograd.grad((ro * dout.double()).sum() + (rl * dlse.double()).sum(), leaves)
+    for name, o, r in zip("qkv", ours, ref, strict=True):
+        err = (o.double() - r).abs().max().item()
+        assert err <= 2e-3 * max(1.0, r.abs().max().item()), f"d{name}: {err:.3g}"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_is_bitwise_reproducible(hopper_gpu, backward_on, causal):
+    import hopper_fmha
+
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16, 5))
+    out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, deterministic=True)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(100):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for a, b in zip(first, again, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("where", ["batch", "heads"])
+def test_backward_past_the_grid_limit(hopper_gpu, backward_on, where):
+    # 70000 (batch or heads) > 65535, gridDim.y/z's limit: the host launches in chunks.
+    import hopper_fmha
+
+    n = 70000
+    shape = (n, 1, 2, 3, 1) if where == "batch" else (1, 1, 2 * n, 3, n)  # batch, sq, h, sk, hkv
+    b, sq, h, sk, hkv = shape
+    q, k, v = (t.requires_grad_() for t in make_inputs(b, sq, sk, h, hkv, 64, torch.float16, 9))
+    out = hopper_fmha.flash_attn_func(q, k, v)
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    ref = grads(q, k, v, dout, d_scale(q), False, torch.float64)
+    check_grads(ours, ref, grads(q, k, v, dout, d_scale(q), False, torch.float16), torch.float16)
+
+
+def test_torch_compile_fullgraph_block(hopper_gpu, backward_on):
+    import hopper_fmha
+
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(256, 3 * 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16)
+
+    def block(x):
+        q, k, v = proj(x).view(2, 512, 3, 4, 64).unbind(2)
+        return hopper_fmha.flash_attn_func(q, k, v, causal=True, deterministic=True).flatten(2)
+
+    eager = block(x)
+    eager_grads = torch.autograd.grad(eager.float().square().sum(), proj.parameters())
+    compiled = torch.compile(block, fullgraph=True)
+    out = compiled(x)
+    grads_c = torch.autograd.grad(out.float().square().sum(), proj.parameters())
+    assert torch.equal(out, eager)
+    for g, e in zip(grads_c, eager_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-2, atol=1e-2)

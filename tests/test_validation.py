@@ -391,14 +391,16 @@ def test_outputs_and_launch_arguments(cpu_kernel, causal):
     assert cpu_kernel[-1]["exact_lse"] is False  # not returned: the kernel may take its fast path
 
 
-def test_inputs_requiring_grad_are_refused_until_there_is_a_backward(cpu_kernel):
+def test_inputs_requiring_grad_are_refused_until_the_backward_is_verified(cpu_kernel, monkeypatch):
     # An output without a grad_fn would silently cut the graph: the layers before the attention
-    # would never learn. Under no_grad / inference_mode nothing changes.
+    # would never learn. Under no_grad / inference_mode nothing changes. (With the backward turned
+    # on: tests/test_autograd.py.)
+    monkeypatch.delenv("HOPPER_FMHA_BACKWARD", raising=False)
     q, k, v = qkv()
     for name in ("q", "k", "v"):
         args = {"q": q, "k": k, "v": v}
         args[name] = args[name].clone().requires_grad_()
-        with pytest.raises(RuntimeError, match=r"no backward pass yet.*torch\.no_grad\(\)"):
+        with pytest.raises(RuntimeError, match=r"not been verified on a GPU.*torch\.no_grad\(\)"):
             flash_attn_func(**args)
         with torch.no_grad():
             out = flash_attn_func(**args)
@@ -515,9 +517,10 @@ def test_paper_variant_refuses_score_features():
             flash_attn_func(*qkv(), variant="paper", **kwargs)
 
 
-def test_sink_requiring_grad_is_refused(cpu_kernel):
+def test_sink_requiring_grad_is_refused(cpu_kernel, monkeypatch):
+    monkeypatch.delenv("HOPPER_FMHA_BACKWARD", raising=False)
     sink = torch.zeros(4, requires_grad=True)
-    with pytest.raises(RuntimeError, match="no backward pass yet"):
+    with pytest.raises(RuntimeError, match="not been verified on a GPU"):
         flash_attn_func(*qkv(), learnable_sink=sink)
     with torch.no_grad():
         flash_attn_func(*qkv(), learnable_sink=sink)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from hopper_fmha import config, kvcache_args, reference, varlen_args
+from hopper_fmha import backward, config, kvcache_args, reference, varlen_args
 
 _DTYPES = (torch.float16, torch.bfloat16)
 # TMA needs 16-byte aligned base addresses and 16-byte multiples for all strides but the last.
@@ -38,10 +38,11 @@ def flash_attn_func(
     return_lse: bool = False,
     *,
     learnable_sink: torch.Tensor | None = None,
+    deterministic: bool = False,
     variant: str | None = None,
     tile: tuple[int, int] | None = None,
 ):
-    """Fused attention forward on a Hopper GPU: softmax(softmax_scale * q k^T) v.
+    """Fused attention on a Hopper GPU: softmax(softmax_scale * q k^T) v, differentiable.
 
     Args:
         q: (batch, seqlen_q, heads, head_dim), float16 or bfloat16, CUDA (sm_90).
@@ -59,6 +60,8 @@ def flash_attn_func(
             exp joins the sum, as in FlashAttention-4).
         learnable_sink: (heads,) float tensor on q's device, a logit per q head that joins each
             row's softmax denominator and nothing else (gpt-oss); None is off.
+        deterministic: the backward adds dq's parts in a fixed order (bitwise reproducible, a
+            little slower); no effect on the forward.
         variant: kernel variant (see `hopper_fmha.config.VARIANTS`); None picks per problem
             (`hopper_fmha.config.auto_variant`; "ws" when a tile is given).
         tile: optional (tile_m, tile_n) override, for tests and benchmarks; None takes the
@@ -73,6 +76,12 @@ def flash_attn_func(
     data 16-byte aligned; non-conforming strides are copied (a contiguous copy is made), not
     rejected. Raises TypeError/ValueError for bad arguments (all checked before the device) and
     RuntimeError when the tensors are not on one CUDA device of compute capability 9.x.
+
+    Gradients: in grad mode with an input that requires grad, the output has a grad_fn (the
+    backward kernel, `hopper_fmha.backward`: head_dim 64/128, causal or not, MHA/GQA/MQA; a
+    differentiable call it does not serve raises NotImplementedError before the forward runs).
+    The backward kernel is not yet verified on a GPU and is off unless HOPPER_FMHA_BACKWARD=1;
+    until then such a call raises RuntimeError.
     """
     scale, cfg = _validate(q, k, v, softmax_scale, causal, variant, tile)
     features = None
@@ -83,21 +92,19 @@ def flash_attn_func(
             variant, tile, None if v.shape[3] == q.shape[3] else v.shape[3],
         )  # fmt: skip
         cfg = feature_cfg or cfg
-    if (
-        q.requires_grad
-        or k.requires_grad
-        or v.requires_grad
-        or (learnable_sink is not None and learnable_sink.requires_grad)
-    ) and torch.is_grad_enabled():
-        raise RuntimeError(_NO_BACKWARD)
+    grad = backward.grad_needed(q, k, v, learnable_sink)
+    if grad:
+        backward.check_supported(q.shape[3], v.shape[3], features, deterministic)
     _check_device(q, k, v)
     if features is not None and features.sink is not None and features.sink.device != q.device:
         raise RuntimeError(f"learnable_sink must be on q's device {q.device}, got {features.sink.device}")
-    if torch.compiler.is_compiling():
+    if grad or torch.compiler.is_compiling():
+        # Through the dispatcher: autograd records the op (its backward needs the exact LSE).
         left, right, cap, sink = features if features is not None else (-1, -1, 0.0, None)
         out, lse = torch.ops.hopper_fmha.fwd(
-            q, k, v, scale, causal, cfg.variant, cfg.tile_m, cfg.tile_n, return_lse, left, right, cap, sink
-        )
+            q, k, v, scale, causal, cfg.variant, cfg.tile_m, cfg.tile_n, return_lse or grad, left, right,
+            cap, sink, deterministic,
+        )  # fmt: skip
     else:
         # Eager: the op's own implementation, without the dispatcher's ~23 µs per call (measured on
         # the H200 host, NOTES.md "host path"); the same function the custom op runs.
@@ -160,8 +167,8 @@ def flash_attn_varlen_func(
     )  # fmt: skip
     if cfg is None:  # no score feature: the ws kernel's config at the longest key sequence
         cfg = _select(shape.head_dim, causal, shape.max_seqlen_k, "ws", tile, _selector(), head_dim_v)
-    if _grad_needed(q, k, v, learnable_sink):
-        raise RuntimeError(_NO_BACKWARD)
+    if backward.grad_needed(q, k, v, learnable_sink):
+        raise backward.no_backward("flash_attn_varlen_func")
     _check_device(q, k, v)
     if features is not None and features.sink is not None and features.sink.device != q.device:
         raise RuntimeError(f"learnable_sink must be on q's device {q.device}, got {features.sink.device}")
@@ -262,8 +269,8 @@ def flash_attn_with_kvcache(
             cfg = _select(
                 shape.head_dim, causal, shape.capacity, "ws", (cfg.tile_m, tile_n), _selector(), head_dim_v
             )
-    if _grad_needed(q, q if k is None else k, q if v is None else v, learnable_sink):
-        raise RuntimeError(_NO_BACKWARD)
+    if backward.grad_needed(q, q if k is None else k, q if v is None else v, learnable_sink):
+        raise backward.no_backward("flash_attn_with_kvcache")
     _check_device(q, k_cache, v_cache)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if _conforming(cache) is not cache:
@@ -312,12 +319,6 @@ def flash_attn_with_kvcache(
         pack_gqa=pack, page_table=page_table, **_feature_kwargs(features),
     )  # fmt: skip
     return (out, lse) if return_lse else out
-
-
-def _grad_needed(q, k, v, sink) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
 
 
 class ScoreFeatures(NamedTuple):
@@ -402,15 +403,6 @@ def _check_sink(sink, heads: int) -> torch.Tensor | None:
     if tuple(sink.shape) != (heads,):
         raise ValueError(f"learnable_sink must have shape (heads,) = ({heads},), got {tuple(sink.shape)}")
     return sink.to(torch.float32).contiguous()
-
-
-# Until the backward pass exists: an input that requires grad would get an output without a
-# grad_fn, and the layers before the attention would silently stop learning.
-_NO_BACKWARD = (
-    "hopper_fmha.flash_attn_func has no backward pass yet, but an input requires grad: its output "
-    "would have no grad_fn and gradients would silently stop here. For inference, call it under "
-    "torch.no_grad() or torch.inference_mode(); otherwise detach q, k and v first."
-)
 
 
 def _validate(q, k, v, softmax_scale, causal, variant, tile) -> tuple[float, config.KernelConfig]:
@@ -648,7 +640,9 @@ def _fwd(
     window_right: int = -1,
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # deterministic: the backward's (`backward.fwd_backward`); the forward is the same either way.
     dv = v.shape[3]
     cfg = config.select_config(q.shape[3], variant, (tile_m, tile_n), None if dv == q.shape[3] else dv)
     features = ScoreFeatures.from_op(window_left, window_right, softcap, learnable_sink)
@@ -718,3 +712,6 @@ def _varlen_fwd(
 @_varlen_fwd.register_fake
 def _(q, k, v, *args):
     return _varlen_empty_outputs(q, v.shape[2])
+
+
+_fwd.register_autograd(backward.fwd_backward, setup_context=backward.fwd_setup_context)

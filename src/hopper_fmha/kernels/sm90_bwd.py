@@ -18,12 +18,23 @@ Working with S^T (keys as rows) puts P^T and dS^T in the accumulator layout that
 operand A for dV and dK (FlashAttention-3's choice); only dQ needs dS through shared memory.
 
 The epilogue writes dK_n * scale and dV_n in fp32 per q head; the host sums a GQA group's heads
-into their kv head and casts (`kernels.backward`). D = rowsum(dO * O) and the zeroed fp32 dQ
-accumulator come from the host (torch), as does dQ = cast(dQacc).
+into their kv head and casts (`kernels.backward`). D = rowsum(dO * O) (minus the LSE's own gradient
+where the caller used the LSE) and the zeroed fp32 dQ accumulator come from the host (torch), as
+does dQ = cast(dQacc).
+
+Deterministic mode (FlashAttention-3's semaphores, the order of `emulate_bwd.dq_order`): each query
+block m has an int32 counter, zeroed by the host; the CTA of key block n adds its dQ contribution
+to block m only when the counter equals its turn, then (after a GPU-scope fence) increments it.
+Turns ascend with n without a causal mask and descend from the last key block m sees with one
+(the CTAs of later key blocks reach block m first, as they start at a later query block). Fixed
+turns give a fixed order of the fp32 additions, so dQ is bitwise reproducible. A CTA only waits for
+CTAs launched before it: blocks launch in blockIdx.x order, and with the causal mask the CTA of
+blockIdx.x takes key block num_n - 1 - blockIdx.x (the later key blocks first), so waiting never
+holds an SM that a CTA it waits for would need.
 
 Layout of the arguments: Q, dO (b, s_q, h, d); K, V (b, s_k, h_kv, d) 16-bit; LSE, D (b, h, s_q)
 float32 (LSE natural log; -inf for a row without keys); dQacc (b, s_q, h, d), dK, dV (b, s_k, h, d)
-float32.
+float32; the semaphores (b, h, ceil(s_q / 64)) int32, deterministic mode only (else None).
 """
 
 from __future__ import annotations
@@ -48,16 +59,19 @@ from .sm90_common import (
 
 NUM_THREADS = 128
 TILE = 64  # keys per CTA and queries per step
+HEAD_DIMS = (64, 128)
+GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y and .z (heads, batch): the host launches in chunks
 
 
 class BwdSm90:
     """Compile-time configuration of the first backward kernel; `__call__` launches it."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool):
-        assert head_dim in (64, 128), "the first backward kernel takes head_dim 64 or 128"
+    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool = False):
+        assert head_dim in HEAD_DIMS, f"the first backward kernel takes head_dim {HEAD_DIMS}"
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
+        self.deterministic = deterministic
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -84,6 +98,7 @@ class BwdSm90:
         mdQacc: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
+        mSem: cute.Tensor | None,
         softmax_scale: Float32,
         qhead_per_kvhead: Int32,
         stream: cuda.CUstream,
@@ -117,7 +132,7 @@ class BwdSm90:
         grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mLSE, mD, mdQacc, mdK, mdV, softmax_scale, qhead_per_kvhead,
+            mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, qhead_per_kvhead,
             s_layout, ds_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)  # fmt: skip
 
@@ -138,6 +153,7 @@ class BwdSm90:
         mdQacc: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
+        mSem: cute.Tensor | None,
         softmax_scale: Float32,
         qhead_per_kvhead: Int32,
         s_layout: cute.ComposedLayout,
@@ -153,6 +169,9 @@ class BwdSm90:
         head_kv = head // qhead_per_kvhead
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
+        num_n = (seqlen_k + TILE - 1) // TILE
+        if const_expr(self.deterministic and self.causal):
+            n_block = num_n - 1 - n_block  # later key blocks first: they take the earlier turns
         is_tma_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
         scale_log2 = softmax_scale * LOG2_E
 
@@ -288,9 +307,36 @@ class BwdSm90:
             # Every GEMM reading Q, dO and dS^T has completed: the next block may overwrite them.
             cute.arch.sync_threads()
 
+            if const_expr(self.deterministic):
+                turn = n_block
+                if const_expr(self.causal):  # descending from the last key block m_block sees
+                    n_end = cutlass.min(num_n, (m0 + TILE - 1 + seqlen_k - seqlen_q) // TILE + 1)
+                    turn = n_end - 1 - n_block
+                self.wait_turn(mSem, m_block, head, batch, turn, tidx)
             self.add_dq(acc_dQ, thr_dq, mdQacc, softmax_scale, m0, head, batch, seqlen_q)
+            if const_expr(self.deterministic):
+                self.pass_turn(mSem, m_block, head, batch, tidx)
 
         self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, head, batch, seqlen_k)
+
+    @cute.jit
+    def wait_turn(self, mSem, m_block, head, batch, turn, tidx):
+        """Until dQacc[m_block]'s counter reaches `turn` (one thread spins; acquire, GPU scope)."""
+        if tidx == 0:
+            sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+            seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
+            while seen != turn:
+                seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def pass_turn(self, mSem, m_block, head, batch, tidx):
+        """Every thread's dQ additions made visible at GPU scope, then the counter moves on."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+            cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def add_dq(self, acc_dQ, thr_dq, mdQacc, scale, m0, head, batch, seqlen_q):
@@ -326,11 +372,11 @@ class BwdSm90:
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 
 
-def fake_arguments(dtype, head_dim: int):
+def fake_arguments(dtype, head_dim: int, deterministic: bool = False):
     """Compile-time stand-ins for `BwdSm90.__call__`'s arguments: sizes symbolic, 16-bit and fp32
     tensors with TMA-ready strides (multiples of 8 elements, 16-byte aligned), LSE and D's last
-    mode contiguous; the stream TVM-FFI's current one."""
-    b, sq, sk, h, hkv = (cute.sym_int() for _ in range(5))
+    mode contiguous, the semaphores (deterministic mode) contiguous; the stream TVM-FFI's current one."""
+    b, sq, sk, h, hkv, nm = (cute.sym_int() for _ in range(6))
 
     def bshd(seqlen, heads, elem):
         stride = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
@@ -346,35 +392,50 @@ def fake_arguments(dtype, head_dim: int):
     q, do = bshd(sq, h, dtype), bshd(sq, h, dtype)
     k, v = bshd(sk, hkv, dtype), bshd(sk, hkv, dtype)
     dq, dk, dv = bshd(sq, h, Float32), bshd(sk, h, Float32), bshd(sk, h, Float32)
+    sem = None
+    if deterministic:
+        sem = cute.runtime.make_fake_tensor(
+            Int32, (b, h, nm), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+        )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return (q, k, v, do, bhs(), bhs(), dq, dk, dv, Float32(1.0), Int32(1), stream)
+    return (q, k, v, do, bhs(), bhs(), dq, dk, dv, sem, Float32(1.0), Int32(1), stream)
 
 
-def compile_bwd(dtype_name: str, head_dim: int, causal: bool, options: str = ""):
+def compile_bwd(dtype_name: str, head_dim: int, causal: bool, deterministic: bool = False, options: str = ""):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
-    return cute.compile(BwdSm90(dtype, head_dim, causal), *fake_arguments(dtype, head_dim), options=opts)
+    kernel = BwdSm90(dtype, head_dim, causal, deterministic)
+    return cute.compile(kernel, *fake_arguments(dtype, head_dim, deterministic), options=opts)
 
 
 _compiled: dict = {}
 
 
-def backward(q, k, v, out, dout, lse, softmax_scale: float, causal: bool):
-    """(dq, dk, dv) of `flash_attn_func`'s forward (q, k, v, out, lse as it returned them), for
-    the upstream gradient dout; d = 64 or 128, fp16/bf16, BSHD, GQA/MQA. Not yet run on a GPU.
+def _chunks(total: int, size: int):
+    """[start, stop) ranges of at most `size` covering range(total)."""
+    return [(start, min(start + size, total)) for start in range(0, total, size)]
 
-    D = rowsum(dout * out) and the zeroed fp32 dQ accumulator are torch operations here; the
-    kernel writes per-q-head fp32 dK, dV that a GQA group's sum reduces to its kv head."""
+
+def backward(q, k, v, out, dout, lse, softmax_scale: float, causal: bool, *, dlse=None, deterministic=False):
+    """(dq, dk, dv) of `flash_attn_func`'s forward (q, k, v, out, lse as it returned them, lse
+    exact), for the upstream gradients dout and, where the caller used the LSE, dlse (b, h, s_q);
+    d = 64 or 128, fp16/bf16, BSHD, GQA/MQA. Not yet run on a GPU.
+
+    D = rowsum(dout * out) - dlse and the zeroed fp32 dQ accumulator are torch operations here;
+    the kernel writes per-q-head fp32 dK, dV that a GQA group's sum reduces to its kv head. Batch
+    and heads past CUDA's 65535 grid limit launch in chunks (whole GQA groups)."""
     import torch
+
+    from hopper_fmha.backward import row_delta
 
     dtype_name = str(q.dtype).removeprefix("torch.")
     batch, seqlen_q, heads, d = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
-    if dtype_name not in _DTYPES or d not in (64, 128) or v.shape[3] != d:
+    if dtype_name not in _DTYPES or d not in HEAD_DIMS or v.shape[3] != d:
         raise NotImplementedError(
-            f"the backward kernel takes float16/bfloat16 with head_dim 64 or 128 (v's the same); "
+            f"the backward kernel takes float16/bfloat16 with head_dim in {HEAD_DIMS} (v's the same); "
             f"got {q.dtype}, head_dim {d}, head_dim_v {v.shape[3]}"
         )
     if dout.shape != out.shape or dout.dtype != out.dtype:
@@ -384,21 +445,30 @@ def backward(q, k, v, out, dout, lse, softmax_scale: float, causal: bool):
     q, k, v, dout = (
         t if t.stride(-1) == 1 and t.is_contiguous() else t.contiguous() for t in (q, k, v, dout)
     )
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (b, h, s_q)
+    delta = row_delta(out, dout, dlse)
     lse = lse.contiguous()
     dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
-    dk = torch.empty(batch, seqlen_k, heads, d, device=q.device, dtype=torch.float32)
-    dv = torch.empty_like(dk)
-    key = (dtype_name, d, bool(causal))
+    dk = torch.zeros(batch, seqlen_k, heads, d, device=q.device, dtype=torch.float32)
+    dv = torch.zeros_like(dk)
+    sem = None
+    if deterministic:
+        sem = torch.zeros(batch, heads, -(-seqlen_q // TILE), device=q.device, dtype=torch.int32)
+    key = (dtype_name, d, bool(causal), bool(deterministic))
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
-    if seqlen_k > 0 and seqlen_q > 0:
-        fn(q, k, v, dout, lse, delta, dq_acc, dk, dv, softmax_scale, heads // kv_heads)
-    else:
-        dk.zero_()
-        dv.zero_()
     group = heads // kv_heads
+    if seqlen_k > 0 and seqlen_q > 0:
+        head_step = GRID_YZ_MAX - GRID_YZ_MAX % group  # whole groups: kv head = q head // group
+        for b0, b1 in _chunks(batch, GRID_YZ_MAX):
+            for h0, h1 in _chunks(heads, head_step):
+                kv = slice(h0 // group, h1 // group)
+                fn(
+                    q[b0:b1, :, h0:h1], k[b0:b1, :, kv], v[b0:b1, :, kv], dout[b0:b1, :, h0:h1],
+                    lse[b0:b1, h0:h1], delta[b0:b1, h0:h1], dq_acc[b0:b1, :, h0:h1],
+                    dk[b0:b1, :, h0:h1], dv[b0:b1, :, h0:h1],
+                    None if sem is None else sem[b0:b1, h0:h1], softmax_scale, group,
+                )  # fmt: skip
     dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
     dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
     return dq_acc.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
