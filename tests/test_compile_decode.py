@@ -13,6 +13,7 @@ from test_compile_ws_features import inspected, inspected_without_spills  # noqa
 from hopper_fmha.config import (
     SUPPORTED_HEAD_DIMS,
     launch_config,
+    pages_per_block,
     paged_tile_n,
     select_config,
     short_block_stages,
@@ -58,7 +59,8 @@ def test_pack_gqa_compiles_without_spills(head_dim, causal, group, split_kv, rec
 @pytest.mark.parametrize(
     "head_dim,causal,page_size,group,split_kv",
     [(128, False, 16, 4, False), (128, True, 64, 1, True), (128, False, 256, 4, True),
-     (64, True, 16, 8, False), (256, False, 256, 1, False)],
+     (64, True, 16, 8, False), (256, False, 256, 1, False), (128, True, 32, 4, True),
+     (256, False, 16, 1, True)],
 )  # fmt: skip
 def test_paged_compiles_without_spills(head_dim, causal, page_size, group, split_kv, record_property):
     cfg = select_config(head_dim, "ws")
@@ -66,10 +68,13 @@ def test_paged_compiles_without_spills(head_dim, causal, page_size, group, split
     key = KernelKey.from_config("bfloat16", causal, launch_config(cfg, causal, 1, exact_lse=True))
     stages = short_block_stages(*cfg.kernel_dims, cfg.tile_m, cfg.tile_n, key.num_stages)
     key = key._replace(
-        seqused_k=True, split_kv=split_kv, paged=True, cluster_m=1, pack_gqa=group, causal_trim=False,
+        seqused_k=True, split_kv=split_kv, paged=pages_per_block(page_size, cfg.tile_n), cluster_m=1, pack_gqa=group, causal_trim=False,
         num_stages=stages, sink=group > 1,
     )  # fmt: skip
-    assert key.slug().endswith("_paged") and page_size % key.tile_n == 0
+    if page_size < key.tile_n:  # a key block of several pages, one TMA each
+        assert key.paged == key.tile_n // page_size > 1 and key.slug().endswith(f"_paged{key.paged}")
+    else:
+        assert key.paged == 1 and key.slug().endswith("_paged") and page_size % key.tile_n == 0
     if split_kv and causal and dsl_flavor() == "cu12":
         # The one exception: CUDA 12's ptxas spills 16 bytes (4 registers) at d = 128, 128x64,
         # 4 stages, causal, split and paged, since the consumers' loops stop at a split's first
@@ -83,10 +88,14 @@ def test_paged_compiles_without_spills(head_dim, causal, page_size, group, split
 
 
 def test_paged_tile_n():
+    # Pages of 16 and 32 rows: blocks of the table's tile_n (8 and 4 pages); 48 does not divide 128.
     assert [paged_tile_n(p, 128) for p in (16, 32, 48, 64, 80, 128, 144, 256, 1024)] == [
-        16, 32, 48, 64, 80, 128, 48, 128, 128,
+        128, 128, 48, 64, 80, 128, 48, 128, 128,
     ]  # fmt: skip
-    assert paged_tile_n(256, 80) == 64 and paged_tile_n(16, 80) == 16
+    assert paged_tile_n(256, 80) == 64 and paged_tile_n(16, 80) == 80 and paged_tile_n(32, 80) == 32
+    assert [pages_per_block(p, paged_tile_n(p, 128)) for p in (16, 32, 48, 64, 256)] == [8, 4, 1, 1, 1]
+    with pytest.raises(ValueError, match="must divide page_size 48 or be a multiple of it"):
+        pages_per_block(48, 128)
 
 
 def test_use_pack_gqa():

@@ -93,15 +93,20 @@ def test_int_cache_seqlens_and_none(hopper_gpu):
         assert out.shape == q.shape and n > 0
 
 
+# (page_size, capacity): pages of 16 and 32 make key blocks of several pages (`config.paged_tile_n`);
+# 16 x 125 = 2000 keys ends inside a block (its last pages repeat the sequence's last page).
+PAGED = [(16, 2048), (16, 2000), (32, 2048), (64, 2048), (256, 2048)]
+
+
 @pytest.mark.parametrize("num_splits", [1, 0])
 @pytest.mark.parametrize("groups", ["gqa4", "mqa", "mha"])
-@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("page_size,capacity", PAGED, ids=[f"p{p}-{c}" for p, c in PAGED])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_paged_cache(hopper_gpu, dtype, page_size, groups, num_splits):
+def test_paged_cache(hopper_gpu, dtype, page_size, capacity, groups, num_splits):
     """Random page tables (pages in any order, spare pages), ragged lengths, appends crossing
     page boundaries; the pages compared element-wise after the call."""
     heads, kv_heads = GROUPS[groups]
-    batch, pages_per_seq, d, seqlen_new = 3, 2048 // page_size, 128, 5
+    batch, pages_per_seq, d, seqlen_new = 3, capacity // page_size, 128, 5
     g = torch.Generator(device="cuda").manual_seed(page_size)
     num_pages = batch * pages_per_seq + 3
     k_pages = torch.randn(num_pages, page_size, kv_heads, d, device="cuda", dtype=dtype, generator=g)
@@ -111,7 +116,7 @@ def test_paged_cache(hopper_gpu, dtype, page_size, groups, num_splits):
     q = torch.randn(batch, 1, heads, d, device="cuda", dtype=dtype, generator=g)
     k = torch.randn(batch, seqlen_new, kv_heads, d, device="cuda", dtype=dtype, generator=g)
     v = torch.randn(batch, seqlen_new, kv_heads, d, device="cuda", dtype=dtype, generator=g)
-    lengths = torch.tensor([0, page_size - 2, 2048 - seqlen_new], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([0, page_size - 2, capacity - seqlen_new], dtype=torch.int32, device="cuda")
     ref_k, ref_v = k_pages.clone(), v_pages.clone()
     out, lse = hopper_fmha.flash_attn_with_kvcache(
         q, k_pages, v_pages, k, v, cache_seqlens=lengths, page_table=table, return_lse=True,

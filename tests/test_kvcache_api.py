@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hopper_fmha import flash_attn_with_kvcache, interface
+from hopper_fmha.config import pages_per_block
 from hopper_fmha.reference import reference
 from hopper_fmha.reference_kvcache import reference_with_kvcache
 
@@ -41,7 +42,7 @@ def cpu_kernel(monkeypatch):
     ):  # fmt: skip
         assert cfg.variant == "ws" and num_splits >= 1
         if page_table is not None:
-            assert k_cache.shape[1] % cfg.tile_n == 0 and cache_seqlens is not None
+            assert pages_per_block(k_cache.shape[1], cfg.tile_n) >= 1 and cache_seqlens is not None
         for b in range(q.shape[0]):
             n = k_cache.shape[1] if cache_seqlens is None else int(cache_seqlens[b])
             keys, values = k_cache[b : b + 1, :n], v_cache[b : b + 1, :n]
@@ -142,7 +143,8 @@ def test_paged_caches(cpu_kernel):
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-4)
     (launch,) = cpu_kernel
     assert torch.equal(launch["seqlens"], torch.tensor([18, 18], dtype=torch.int32))
-    assert launch["table"] is table and launch["tile_n"] == 16  # blocks of one page each
+    # Pages of 16: key blocks of the table's tile_n (192x128 at d = 64), 8 whole pages each.
+    assert launch["table"] is table and launch["tile_n"] == 128
 
 
 def test_empty_cache_gives_zero_and_minus_inf(cpu_kernel):

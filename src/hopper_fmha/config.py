@@ -126,7 +126,7 @@ class KernelConfig:
     seqused_k: bool = False
     split_kv: bool = False  # per launch too (`kernels.kvcache_forward`)
     pack_gqa: int = 1  # likewise: q heads per kv head packed into a tile's rows (1: none)
-    paged: bool = False  # likewise: K/V in pages through a page table
+    paged: int = 0  # likewise: K/V in pages through a page table, pages per key block (0: none)
     # v's head dim where it differs from head_dim (0: the same).
     head_dim_v: int = 0
 
@@ -374,7 +374,7 @@ WS_SWITCHES = (
     "split_kv",
     # Pack-GQA (`kernels/sm90_ws.py`): the q heads of a kv head share a tile (decode).
     "pack_gqa",
-    # Paged K/V (`kernels/loader.py`): a page table per sequence.
+    # Paged K/V (`kernels/loader.py`): a page table per sequence, and pages per key block.
     "paged",
 )
 WS_DERIVED_SWITCHES = ("split_o",)
@@ -407,7 +407,7 @@ class WsChoice:
     seqused_k: bool = False
     split_kv: bool = False
     pack_gqa: int = 1
-    paged: bool = False
+    paged: int = 0
 
 
 # The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and
@@ -676,12 +676,30 @@ def select_config(
     return KernelConfig(variant=variant, head_dim=head_dim, tile_m=tile[0], tile_n=tile[1])
 
 
+# Pages smaller than this make a key block of several pages (one TMA each) rather than a short
+# block: 16-key blocks ran at 0.56x FA4 (v19), 64-key blocks from one page at 1.02x.
+MULTI_PAGE_BELOW = 64
+
+
 def paged_tile_n(page_size: int, tile_n: int) -> int:
-    """The key block for a paged KV cache of page_size rows: the largest multiple of 16 up to the
-    table's tile_n that divides page_size, so that each block is one TMA from one page (page sizes
-    are multiples of 16: `kvcache_args`). Pages of 16 take 16-key blocks, of 64 64-key blocks;
-    pages of 256 the table's tile where it divides them (not yet measured)."""
+    """The key block for a paged KV cache of page_size rows (page sizes are multiples of 16:
+    `kvcache_args`). Pages under MULTI_PAGE_BELOW rows that divide the table's tile_n: the table's
+    tile_n, a block of tile_n / page_size whole pages (`pages_per_block`). Otherwise the largest
+    multiple of 16 up to tile_n that divides page_size, so that each block is one TMA from one page:
+    pages of 64 take 64-key blocks, of 256 the table's tile where it divides them."""
+    if page_size < MULTI_PAGE_BELOW and tile_n % page_size == 0:
+        return tile_n
     return max(n for n in range(16, tile_n + 1, 16) if page_size % n == 0)
+
+
+def pages_per_block(page_size: int, tile_n: int) -> int:
+    """Pages one key block of tile_n keys spans: tile_n / page_size for blocks of several pages,
+    else 1 (tile_n divides page_size). Raises for a tile that is neither."""
+    if page_size < tile_n and tile_n % page_size == 0:
+        return tile_n // page_size
+    if page_size % tile_n == 0:
+        return 1
+    raise ValueError(f"a key block of {tile_n} keys must divide page_size {page_size} or be a multiple of it")
 
 
 def short_block_stages(head_dim: int, head_dim_v: int, tile_m: int, tile_n: int, num_stages: int) -> int:

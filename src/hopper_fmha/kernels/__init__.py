@@ -24,7 +24,7 @@ import os
 # also right on a CPU-only machine, where it lets the kernels compile for inspection.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from hopper_fmha.config import kernel_head_dims, launch_config, short_block_stages  # noqa: E402
+from hopper_fmha.config import kernel_head_dims, launch_config, pages_per_block, short_block_stages  # noqa: E402
 
 from . import cache  # noqa: E402
 from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, dsl_flavor, get_kernel  # noqa: E402, F401
@@ -144,7 +144,8 @@ def kvcache_forward(
     and lse. Score features as `forward`'s. pack_gqa (None: `use_pack_gqa`): the q heads of a kv
     head share each tile's rows, so a K/V block is read once per kv head. page_table (B, pages per
     sequence) int32: k_cache, v_cache are (num_pages, page_size, Hkv, D / Dv) pages, cache_seqlens
-    is required, and cfg's tile_n must divide page_size (`config.paged_tile_n`)."""
+    is required, and cfg's tile_n must divide page_size or be a multiple of it, a key block of
+    whole pages (`config.paged_tile_n`, `config.pages_per_block`)."""
     if cfg.variant != "ws":
         raise NotImplementedError("a KV cache needs the ws variant")
     group = q.shape[2] // k_cache.shape[2]
@@ -163,11 +164,12 @@ def kvcache_forward(
     if pack_gqa and group > 1:
         key = key._replace(pack_gqa=group, cluster_m=1, causal_trim=False)
     if page_table is not None:
-        if cache_seqlens is None or k_cache.shape[1] % cfg.tile_n:
-            raise ValueError("paged K/V needs cache_seqlens and a tile_n that divides page_size")
+        if cache_seqlens is None:
+            raise ValueError("paged K/V needs cache_seqlens")
+        pages = pages_per_block(k_cache.shape[1], cfg.tile_n)
         kd, kdv = cfg.kernel_dims
         stages = short_block_stages(kd, kdv, cfg.tile_m, cfg.tile_n, key.num_stages)
-        key = key._replace(paged=True, cluster_m=1, num_stages=stages)
+        key = key._replace(paged=pages, cluster_m=1, num_stages=stages)
     fn = get_kernel(key)
     ctas, lpt_group = schedule(q, k_cache, causal)
     if split:

@@ -57,8 +57,9 @@ class KernelKey(NamedTuple):
     split_kv: bool = False
     # Pack-GQA: the q heads per kv head whose rows share a tile (1: none).
     pack_gqa: int = 1
-    # Paged K/V: k, v (num_pages, page_size, h_kv, d) and a page_table launch argument.
-    paged: bool = False
+    # Paged K/V: k, v (num_pages, page_size, h_kv, d) and a page_table launch argument. 0: not
+    # paged; n >= 1: n pages per key block (1: tile_n divides page_size; n > 1: page_size = tile_n / n).
+    paged: int = 0
     # v's head dim where it differs from q's (0: the same). head_dim and head_dim_v are the data's;
     # the ws kernel computes with `config.kernel_head_dims` of them.
     head_dim_v: int = 0
@@ -109,7 +110,7 @@ class KernelKey(NamedTuple):
             slug += "_used" if self.seqused_k else ""
             slug += "_splitkv" if self.split_kv else ""
             slug += f"_pack{self.pack_gqa}" if self.pack_gqa > 1 else ""
-            slug += "_paged" if self.paged else ""
+            slug += ("_paged" if self.paged == 1 else f"_paged{self.paged}") if self.paged else ""
         return slug
 
 

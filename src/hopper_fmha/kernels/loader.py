@@ -9,9 +9,12 @@ Contract (`TmaLoader`, built from the tile shape and `cluster_m`):
 Today: TMA from dense (s, d, h, b) tensors; with CTA pairs (cluster_m = 2) each CTA loads half of
 every K/V block and multicasts it into both CTAs of the pair.
 Varlen: the batch's rows start at `seqlen.offset_q/offset_k` of packed tensors (`SeqlenInfo.rows`).
-Paged K/V (`paged`): (num_pages, page_size, h_kv, d) caches seen as (page_size, d, h_kv,
-num_pages); each key block is one TMA from the page the page table names, tile_n a divisor of
-page_size (the host picks the tile: `kernels.paged_tile_n`). No CTA pairs.
+Paged K/V (`paged` = pages per key block): (num_pages, page_size, h_kv, d) caches seen as
+(page_size, d, h_kv, num_pages). paged = 1: each key block is one TMA from the page the page table
+names, tile_n a divisor of page_size. paged = n > 1 (small pages, page_size = tile_n / n): a key
+block is n whole pages, n TMAs of page_size rows into consecutive rows of one stage, armed on the
+stage's one barrier; pages past the sequence's last repeat its last page (their keys are masked).
+The host picks the tile (`config.paged_tile_n`). No CTA pairs.
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ class TmaLoader:
     head_dim: cutlass.Constexpr[int]
     head_dim_v: cutlass.Constexpr[int]
     cluster_m: cutlass.Constexpr[int] = 1
-    # Paged K/V: mK, mV are (page_size, d, h_kv, num_pages) and a sequence's key block n lies in
-    # page page_table[batch, n * tile_n // page_size] (tile_n divides page_size: one TMA per block).
-    paged: cutlass.Constexpr[bool] = False
+    # Paged K/V: mK, mV are (page_size, d, h_kv, num_pages). paged = 1: a sequence's key block n
+    # lies in page page_table[batch, n * tile_n // page_size] (one TMA per block); paged = p > 1:
+    # in pages page_table[batch, n * p + i], i < p, of tile_n / p rows each (0: not paged).
+    paged: cutlass.Constexpr[int] = 0
     page_table: cute.Tensor = None
     tma_atom_Q: cute.CopyAtom = None
     mQ: cute.Tensor = None
@@ -67,13 +71,24 @@ class TmaLoader:
         tma_op_kv = tma_op
         if const_expr(self.cluster_m > 1):
             tma_op_kv = cpasync.CopyBulkTensorTileG2SMulticastOp()
+        rows = self.tile_n
+        if const_expr(self.paged > 1):  # one page per TMA, into the first rows of a stage
+            rows = self.tile_n // self.paged
+            sK_stage_layout = self.first_rows(sK_stage_layout, rows, self.head_dim)
+            sV_stage_layout = self.first_rows(sV_stage_layout, rows, self.head_dim_v)
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_op_kv, mK, sK_stage_layout, (self.tile_n, self.head_dim), num_multicast=self.cluster_m
+            tma_op_kv, mK, sK_stage_layout, (rows, self.head_dim), num_multicast=self.cluster_m
         )
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_op_kv, mV, sV_stage_layout, (self.tile_n, self.head_dim_v), num_multicast=self.cluster_m
+            tma_op_kv, mV, sV_stage_layout, (rows, self.head_dim_v), num_multicast=self.cluster_m
         )
         return tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V
+
+    def first_rows(self, stage_layout, rows: int, cols: int):
+        """The (rows, cols) part of a (tile_n, cols) stage layout at its first row: where page i
+        of a block lands, shifted by i * rows rows (a whole number of swizzle atoms: rows is a
+        multiple of 16)."""
+        return cute.composition(stage_layout, cute.make_layout((rows, cols), stride=(1, self.tile_n)))
 
     # ---------------------------------------------------------------- device side
     def create(
@@ -131,8 +146,9 @@ class TmaLoader:
             self.tma_atom_V, self.rank, kv_layout, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         return SimpleNamespace(
-            tQsQ=tQsQ, tQgQ=tQgQ, tKsK=tKsK, tKgK=tKgK, tVsV=tVsV, tVgV=tVgV, head_kv=head_kv, batch=batch
-        )
+            tQsQ=tQsQ, tQgQ=tQgQ, tKsK=tKsK, tKgK=tKgK, tVsV=tVsV, tVgV=tVgV, head_kv=head_kv, batch=batch,
+            seqlen_k=seqlen.seqlen_k,
+        )  # fmt: skip
 
     @cute.jit
     def load_q(self, views: SimpleNamespace, mbar_Q: cute.Pointer):
@@ -184,7 +200,10 @@ class TmaLoader:
         n_block: Int32,
     ):
         """Paged: block n_block of the sequence from its page (the page table's entry for the
-        block's first key) at the block's offset in the page; one TMA, as `load_block`."""
+        block's first key) at the block's offset in the page; one TMA, as `load_block`. Several
+        pages per block: one TMA per page (`load_pages`)."""
+        if const_expr(self.paged > 1):
+            return self.load_pages(pipe, state, tma_atom, mX, sX, cols, views, n_block)
         page_size = mX.shape[0]
         first_key = n_block * self.tile_n
         page = self.page_table[views.batch, first_key // page_size]
@@ -198,6 +217,36 @@ class TmaLoader:
         )
         pipe.producer_acquire(state)
         cute.copy(tma_atom, tXgX, tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+        state.advance()
+        return state
+
+    @cute.jit
+    def load_pages(
+        self,
+        pipe: pipeline.PipelineAsync,
+        state: pipeline.PipelineState,
+        tma_atom: cute.CopyAtom,
+        mX: cute.Tensor,
+        sX: cute.Tensor,
+        cols: cutlass.Constexpr[int],
+        views: SimpleNamespace,
+        n_block: Int32,
+    ):
+        """Block n_block as `paged` whole pages: page i of it (the table's entry n_block * paged
+        + i, or the sequence's last page past its end) into rows [i * rows, (i + 1) * rows) of
+        the stage, every TMA on the stage's barrier (armed for the whole stage)."""
+        rows = self.tile_n // self.paged
+        last_page = cutlass.max(views.seqlen_k - 1, 0) // rows
+        pipe.producer_acquire(state)
+        sX_stage = sX[None, None, state.index]
+        for i in cutlass.range(self.paged, unroll=1):  # a loop, not unrolled: the producer's registers are few
+            page = self.page_table[views.batch, cutlass.min(n_block * self.paged + i, last_page)]
+            gX = cute.local_tile(mX[None, None, views.head_kv, page], (rows, cols), (0, 0))
+            sX_page = cute.local_tile(sX_stage, (rows, cols), (i, 0))
+            tXsX, tXgX = cpasync.tma_partition(
+                tma_atom, 0, cute.make_layout(1), cute.group_modes(sX_page, 0, 2), cute.group_modes(gX, 0, 2)
+            )
+            cute.copy(tma_atom, tXgX, tXsX, tma_bar_ptr=pipe.producer_get_barrier(state))
         state.advance()
         return state
 

@@ -171,7 +171,7 @@ class WsFwdSm90:
         head_dim_v: int | None = None,
         split_kv: bool = False,
         pack_gqa: int = 1,
-        paged: bool = False,
+        paged: int = 0,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         assert (head_dim, head_dim_v) in WS_KERNEL_HEAD_DIMS
@@ -280,10 +280,11 @@ class WsFwdSm90:
         )
         self.pack_gqa = pack_gqa
         # Paged K/V (`TmaLoader.paged`): a page table per sequence; keys per sequence from
-        # seqused_k (the cache's capacity is no tensor's extent).
+        # seqused_k (the cache's capacity is no tensor's extent); `paged` pages per key block.
         assert not paged or (seqused_k and cluster_m == 1 and not varlen), (
             "paged: seqused_k, no pairs, no varlen"
         )
+        assert paged <= 1 or (tile_n % paged == 0 and (tile_n // paged) % 16 == 0)
         self.paged = paged
 
         # The parts (see the module docstring).
