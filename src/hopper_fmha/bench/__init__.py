@@ -3,7 +3,7 @@
 flops     the one FLOP formula
 registry  backends by name (this package, SDPA flash/efficient/cuDNN, FA4, FA3, the copy
           yardstick) and `Problem`
-presets   the paper / sweep / tiles / host / varlen / decode grids
+presets   the paper / sweep / tiles / host / varlen / decode / backward grids
 timing    CUDA-event timing of eager calls and CUDA-graph replays, interleaved rounds,
           input rotation, pre-heat and matmul rate
 runner    inputs, correctness check against the reference, one record per (problem, backend)

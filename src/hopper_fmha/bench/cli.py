@@ -43,6 +43,11 @@ presets:
           (full, ragged, paged 16/64/256), B1 and B4 with 131072 (split-KV), B64 with 4 causal
           queries; backends hopper-fmha:auto, sdpa-cudnn, fa4, copy; reports TB/s of K/V read,
           ours ÷ best peer, % of a device-to-device copy, paged ÷ dense (8 problems)
+  backward the paper's problems (fp16; --dtype fp16 bf16 for both), each timed as "bwd" (the
+          backward alone: torch.autograd.grad after one untimed forward) and "fwd+bwd";
+          backends hopper-fmha:auto (the bench sets HOPPER_FMHA_BACKWARD=1), fa4, sdpa-cudnn,
+          sdpa-flash, all through autograd, eager time only; FLOPs 2.5x / 3.5x the forward's;
+          dq, dk, dv checked against the fp32 reference (12 problems)
 
 backends (--backends, comma separated): hopper-fmha (every variant), hopper-fmha:<variant>,
   hopper-fmha:<variant>@<M>x<N>, a "+lse" suffix (return_lse=True), sdpa-flash (FA2),
@@ -66,7 +71,7 @@ no CUDA GPU, 3 the CUDA context was lost (partial results written), 130 interrup
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
-        help="time attention forward against the peers (TFLOP/s, JSON/Markdown/PNG reports)",
+        help="time attention against the peers, forward (or --preset backward) (TFLOP/s, JSON/Markdown/PNG)",
         description="Time hopper-fmha and its peers on this GPU; write JSON, Markdown and PNG charts.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from hopper_fmha.bench.flops import PASS_FLOPS
 from hopper_fmha.bench.report import (
     PRIMARY,
     backends_in,
@@ -32,7 +33,7 @@ def _figure(width: float, height: float):
 
 def _x_label(p, panel) -> str:
     """Name a problem by what varies inside its panel: N, and B or heads when those vary too; a
-    varlen problem by its range of lengths."""
+    varlen problem by its range of lengths; a training problem's pass ("bwd", "fwd+bwd") after."""
     label = f"{p.seqlen_q}" if p.seqlen_q == p.seqlen_k else f"{p.seqlen_q}/{p.seqlen_k}"
     if p.seqlens is not None:
         label = f"varlen {min(p.seqlens)}-{p.seqlen_q}"
@@ -40,6 +41,8 @@ def _x_label(p, panel) -> str:
         label = f"B{p.batch} " + label
     if len({(q.heads, q.kv_heads) for q in panel}) > 1:
         label += f" H{p.heads}/{p.kv_heads}"
+    if p.training:
+        label += f" {p.passes}"
     return label
 
 
@@ -62,7 +65,7 @@ def plot_bars(results: dict, path: Path, dtype: str, mode: str = PRIMARY) -> Pat
             ax = axes[r][c]
             panel = sorted(
                 [(p, recs) for p, recs in groups if p.causal == causal and p.head_dim == d],
-                key=lambda x: (x[0].seqlen_q, x[0].seqlen_k, x[0].batch),
+                key=lambda x: (x[0].seqlen_q, x[0].seqlen_k, x[0].batch, list(PASS_FLOPS).index(x[0].passes)),
             )
             probs = [p for p, _ in panel]
             for i, (name, label, _) in enumerate(backends):

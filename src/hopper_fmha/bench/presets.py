@@ -36,6 +36,17 @@ decode: one decode step against a KV cache, bf16, 32 q heads / 8 kv heads, d = 1
        report's decode table gives per cell TB/s, ours ÷ the best peer (target ≥ 1.0), % of the
        copy, and ours ÷ ours on the twin (`decode_twin`: paged ÷ dense, target ≥ 0.9; ragged ÷
        full, the cost in proportion to the tokens read).
+backward: the paper's shape (B=4, N=4096, hidden 2048: d64/H32, d128/H16, d256/H8, kv heads =
+       heads, causal off and on, fp16; `--dtype` for bf16 too), each problem twice: "bwd", the
+       backward alone (the forward run once, untimed, then `torch.autograd.grad(out, (q, k, v),
+       dout, retain_graph=True)` timed, dout random), and "fwd+bwd", the forward then that grad
+       (`registry.autograd_call`). FLOPs 2.5 and 3.5 times the forward's (FlashAttention's
+       convention, causal halved as the forward's). Backends, all through autograd: ours
+       (`hopper-fmha:auto`, flash_attn_func; the bench sets HOPPER_FMHA_BACKWARD=1, without
+       which it refuses inputs that require grad, its backward being not yet verified on a GPU),
+       FA4, cuDNN (SDPA) and FA2 (`sdpa-flash`, PyTorch's FlashAttention-2, the registry's "fa2").
+       Timed eagerly only (`runner.TRAINING_NOT_CAPTURED`); dq, dk, dv checked against the fp32
+       reference's (`runner.GradChecker`).
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from hopper_fmha.bench.flops import BWD, FWD, FWD_BWD
 from hopper_fmha.bench.registry import COPY, Problem
 
 HIDDEN = 2048
@@ -66,9 +78,9 @@ class Preset:
     backends: tuple[str, ...] | None = None  # None: the default set (or --backends)
 
 
-def _problem(batch: int, seqlen: int, head_dim: int, causal: bool, dtype: str) -> Problem:
+def _problem(batch: int, seqlen: int, head_dim: int, causal: bool, dtype: str, passes: str = FWD) -> Problem:
     heads = HIDDEN // head_dim
-    return Problem(batch, seqlen, seqlen, heads, heads, head_dim, causal, dtype)
+    return Problem(batch, seqlen, seqlen, heads, heads, head_dim, causal, dtype, passes=passes)
 
 
 def paper() -> Preset:
@@ -169,7 +181,26 @@ def decode() -> Preset:
     return Preset("decode", tuple(problems), ("hopper-fmha:auto", "sdpa-cudnn", "fa4", COPY))
 
 
-PRESETS = {"paper": paper, "sweep": sweep, "tiles": tiles, "host": host, "varlen": varlen, "decode": decode}
+TRAINING_PASSES = (BWD, FWD_BWD)
+BACKWARD_BACKENDS = ("hopper-fmha:auto", "fa4", "sdpa-cudnn", "sdpa-flash")
+
+
+def backward() -> Preset:
+    """The paper's problems (fp16; `with_dtypes` for others), each as the backward alone and as
+    the forward then the backward, in that order, head dim then causal (module docstring)."""
+    problems = [
+        _problem(4, 4096, d, c, "float16", passes)
+        for d in HEAD_DIMS
+        for c in (False, True)
+        for passes in TRAINING_PASSES
+    ]
+    return Preset("backward", tuple(problems), BACKWARD_BACKENDS)
+
+
+PRESETS = {
+    "paper": paper, "sweep": sweep, "tiles": tiles, "host": host, "varlen": varlen, "decode": decode,
+    "backward": backward,
+}  # fmt: skip
 
 
 def get_preset(name: str) -> Preset:

@@ -37,16 +37,25 @@ boolean mask (`decode_mask`) hides them, so SDPA still reads the whole capacity:
 of the same answer, not of the tokens read. `copy` (`COPY`): the bandwidth yardstick, a
 device-to-device copy (`dst.copy_(src)`, cudaMemcpy) of `Problem.kv_bytes` bytes, timed in the
 same run as the kernels; its output is not attention and is not checked (`COPY_UNCHECKED`).
+
+Training problems (`Problem.passes` "bwd" or "fwd+bwd", the `backward` preset) take the inputs
+(q, k, v, dout) and run every backend's dense `build` through autograd (`autograd_call`): the
+backward alone (the forward run once beforehand, untimed) or the forward then the backward, each
+call returning (dq, dk, dv). The backends that build no dense forward (`hopper-fmha:padded`,
+`copy`) skip them. Our flash_attn_func takes inputs that require grad only where the environment
+variable HOPPER_FMHA_BACKWARD is "1" (its backward is not yet verified on a GPU): `autograd_call`
+sets it before building a call of ours.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hopper_fmha.bench.flops import attention_flops
+from hopper_fmha.bench.flops import BWD, FWD, PASS_FLOPS, attention_flops, pass_flops
 
 DTYPES = ("float16", "bfloat16")
 _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}
@@ -73,7 +82,11 @@ class Problem:
     cache_seqlens[b] (None: all full); dense caches (batch, capacity, kv_heads, d), or paged ones
     of `page_size` tokens per page. The bytes are the K and V of the tokens attended
     (`kv_bytes`); the FLOPs 4·H·seqlen_q·len·d per sequence, not halved for causal (a few
-    queries at the end of a long cache see nearly every key)."""
+    queries at the end of a long cache see nearly every key).
+
+    Training (`passes` "bwd" or "fwd+bwd", dense problems only; "fwd", the default, is the
+    forward): the backward alone or the forward then the backward, timed through autograd
+    (`autograd_call`); the FLOPs 2.5 or 3.5 times the forward's (`flops.pass_flops`)."""
 
     batch: int
     seqlen_q: int
@@ -87,6 +100,7 @@ class Problem:
     kvcache: bool = False
     cache_seqlens: tuple[int, ...] | None = None
     page_size: int | None = None
+    passes: str = FWD
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
@@ -109,6 +123,10 @@ class Problem:
             self._check_cache()
         elif self.cache_seqlens is not None or self.page_size is not None:
             raise ValueError("cache_seqlens and page_size belong to decode problems (kvcache=True)")
+        if self.passes not in PASS_FLOPS:
+            raise ValueError(f"passes must be one of {tuple(PASS_FLOPS)}, got {self.passes!r}")
+        if self.training and (self.kvcache or self.seqlens is not None):
+            raise ValueError(f"passes={self.passes!r} (a backward) is timed on dense problems only")
 
     def _check_cache(self) -> None:
         if self.seqlens is not None:
@@ -157,6 +175,11 @@ class Problem:
         return cls(*shape, kvcache=True, cache_seqlens=lens, page_size=page_size)
 
     @property
+    def training(self) -> bool:
+        """Whether the problem times a backward (`passes` other than "fwd")."""
+        return self.passes != FWD
+
+    @property
     def cache_lengths(self) -> tuple[int, ...]:
         """Decode: the tokens each sequence attends (its cache_seqlens, else the capacity)."""
         return self.cache_seqlens or (self.seqlen_k,) * self.batch
@@ -183,9 +206,10 @@ class Problem:
             per_key = attention_flops(1, self.heads, self.seqlen_q, 1, self.head_dim)
             return per_key * sum(self.cache_lengths)
         if self.seqlens is None:
-            return attention_flops(
+            forward = attention_flops(
                 self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim, self.causal
             )
+            return pass_flops(forward, self.passes)
         return sum(attention_flops(1, self.heads, n, n, self.head_dim, self.causal) for n in self.seqlens)
 
     def _rows(self) -> tuple[int, int]:
@@ -197,14 +221,21 @@ class Problem:
     @property
     def input_bytes(self) -> int:
         """Bytes of q, k, v and the output: what one call reads and writes (decode: what one input
-        set holds, the whole capacity of the cache)."""
+        set holds, the whole capacity of the cache; training: q, k, v, the output, its gradient
+        dout, and dq, dk, dv)."""
         q_rows, k_rows = self._rows()
-        return 2 * (2 * q_rows * self.heads * self.head_dim + 2 * k_rows * self.kv_heads * self.head_dim)
+        per_side = 4 if self.training else 2
+        return 2 * per_side * (q_rows * self.heads * self.head_dim + k_rows * self.kv_heads * self.head_dim)
 
     @property
     def output_bytes(self) -> int:
-        """Bytes of the output (what a captured graph keeps alive per call)."""
-        return 2 * self._rows()[0] * self.heads * self.head_dim
+        """Bytes of the output (what a captured graph keeps alive per call); training: the output
+        each input set's call keeps for autograd and the gradients dq, dk, dv it returns."""
+        q_rows, k_rows = self._rows()
+        q_side = 2 * q_rows * self.heads * self.head_dim
+        if not self.training:
+            return q_side
+        return 2 * q_side + 2 * (2 * k_rows * self.kv_heads * self.head_dim)
 
     def label(self) -> str:
         if self.kvcache:
@@ -217,7 +248,8 @@ class Problem:
             seq = f"B{self.batch} Nq{self.seqlen_q} Nk{self.seqlen_k}"
         heads = f"H{self.heads}" if self.kv_heads == self.heads else f"H{self.heads}/{self.kv_heads}"
         causal = " causal" if self.causal else ""
-        return f"{seq} {heads} d{self.head_dim} {_DTYPE_SHORT[self.dtype]}{causal}"
+        passes = f" {self.passes}" if self.training else ""
+        return f"{seq} {heads} d{self.head_dim} {_DTYPE_SHORT[self.dtype]}{causal}{passes}"
 
     def _decode_label(self) -> str:
         """E.g. "decode B64 L8192 H32/8 d128 bf16 q1 paged64 ragged"."""
@@ -228,9 +260,11 @@ class Problem:
         return " ".join(words + ["ragged"] * bool(self.cache_seqlens))
 
     def to_dict(self) -> dict:
-        """The fields as JSON takes them; a field at its default (seqlens, the decode fields) has
-        no key, so dense problems read as before."""
+        """The fields as JSON takes them; a field at its default (seqlens, the decode fields,
+        passes "fwd") has no key, so forward problems read as before."""
         d = asdict(self)
+        if d["passes"] == FWD:
+            del d["passes"]
         for key in ("seqlens", "kvcache", "cache_seqlens", "page_size"):
             if d[key] in (None, False):
                 del d[key]
@@ -275,16 +309,56 @@ class Backend:
 
     def make(self, p: Problem, *inputs) -> Callable[[], Any]:
         """The call on one input set: `build` for a dense problem, `varlen` for a varlen one,
-        `kvcache` for a decode one."""
+        `kvcache` for a decode one, `autograd_call` (around `build`) for a training one."""
         if p.kvcache:
             if self.kvcache is None:
                 raise BackendSkip(f"{self.name} has no KV-cache (decode) call in this bench")
             return self.kvcache(p, *inputs)
+        if p.training:
+            return autograd_call(self, p, *inputs)
         if p.seqlens is None:
             return self.build(p, *inputs)
         if self.varlen is None:
             raise BackendSkip(f"{self.name} has no varlen (packed sequences) call in this bench")
         return self.varlen(p, *inputs)
+
+
+def first_output(out):
+    """The output of a call that returns out or (out, lse) (FA4 and FA3 by version, ours with
+    return_lse)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+# Our flash_attn_func runs its backward only where this environment variable is "1": the backward
+# kernel has not been verified on a GPU yet. `autograd_call` sets it before building our call.
+OUR_BACKWARD_ENV = "HOPPER_FMHA_BACKWARD"
+
+
+def autograd_call(backend: Backend, p: Problem, q, k, v, dout) -> Callable[[], Any]:
+    """A training problem's call on one input set (q, k, v, dout), built the same way for every
+    backend: its forward (`backend.build`) on leaves that require grad (q, k, v detached), then
+    `torch.autograd.grad(out, (q, k, v), dout)`, out being the forward's output (the first of
+    (out, lse)) and dout transposed to match an output in the "bhsd" layout. The call returns
+    (dq, dk, dv) in the layout of q, k, v (BSHD) for every backend.
+
+    passes "bwd": the forward runs once here, outside the timed call, and the call is the grad
+    alone, with retain_graph=True so that it can be repeated; "fwd+bwd": the call runs the forward
+    then the grad. Before building a backend of ours this sets HOPPER_FMHA_BACKWARD=1 in the
+    process's environment (`OUR_BACKWARD_ENV`), which our flash_attn_func needs to take inputs
+    that require grad while its backward has not been verified on a GPU; it stays set for the
+    rest of the run. Whatever raises here (the forward included, for "bwd") reaches the runner,
+    which reports the backend as skipped for this problem."""
+    import torch
+
+    if backend.ours:
+        os.environ[OUR_BACKWARD_ENV] = "1"
+    leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+    forward = backend.build(p, *leaves)
+    grad_out = dout.transpose(1, 2) if backend.layout == "bhsd" else dout
+    if p.passes == BWD:
+        out = first_output(forward())
+        return lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+    return lambda: torch.autograd.grad(first_output(forward()), leaves, grad_out)
 
 
 def decode_mask(p: Problem, device=None):

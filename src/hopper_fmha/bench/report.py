@@ -17,6 +17,11 @@ backend of ours, TB/s of K and V read (`bandwidth`: `Problem.kv_bytes` over the 
 TFLOP/s), cuDNN's and FA4's, ours ÷ the best peer, the `copy` yardstick's TB/s and ours as a
 percentage of it, and ours ÷ ours on the twin cell (`presets.decode_twin`), against
 `DECODE_TARGETS`. The copy is no attention: the TFLOP/s tables leave it out.
+
+A run with training problems (the `backward` preset: `Problem.passes` "bwd" or "fwd+bwd") has a
+"pass" column in the TFLOP/s tables, a summary subset per pass, the training FLOPs and check in
+the method line, and in the details the gradient (dq, dk or dv) whose error is shown. They are
+timed eagerly only, so their ratios use eager time, marked (e).
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
-from hopper_fmha.bench.flops import tflops
+from hopper_fmha.bench.flops import FWD, PASS_FLOPS, tflops
 from hopper_fmha.bench.presets import decode_twin, dense_twin
 from hopper_fmha.bench.registry import BEST_PEERS, COPY, FA2, PADDED, REGISTRY, Problem
 
@@ -218,7 +224,8 @@ def _ratio_cell(
     return _fmt(r, spec, suffix) + mark + (" ✗" if rec["status"] == "wrong" else "")
 
 
-def _problem_cells(p: Problem) -> list[str]:
+def _problem_cells(p: Problem, passes: bool = False) -> list[str]:
+    """The problem columns of a TFLOP/s table (`PROBLEM_HEADERS`), then with `passes` its pass."""
     n = str(p.seqlen_q) if p.seqlen_q == p.seqlen_k else f"{p.seqlen_q}/{p.seqlen_k}"
     if p.seqlens is not None:
         n = f"varlen {min(p.seqlens)}–{p.seqlen_q}"
@@ -226,10 +233,16 @@ def _problem_cells(p: Problem) -> list[str]:
         n = f"{p.seqlen_q}/cache {p.seqlen_k}" + f" paged{p.page_size}" * bool(p.page_size)
         n += " ragged" * bool(p.cache_seqlens)
     h = str(p.heads) if p.heads == p.kv_heads else f"{p.heads}/{p.kv_heads}"
-    return [str(p.batch), n, h, str(p.head_dim), "yes" if p.causal else "no", p.dtype]
+    return [str(p.batch), n, h, str(p.head_dim), "yes" if p.causal else "no", p.dtype] + [p.passes] * passes
 
 
 PROBLEM_HEADERS = ["B", "N", "H", "d", "causal", "dtype"]
+PASS_HEADER = "pass"  # after PROBLEM_HEADERS where the run has training problems
+
+
+def has_training(results: dict) -> bool:
+    """Whether the run has a training problem (a backward: `Problem.passes` not "fwd")."""
+    return any(r["problem"].get("passes", FWD) != FWD for r in results["records"])
 
 
 def md_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -252,13 +265,14 @@ def rate_table(results: dict, mode: str) -> str | None:
     ours = [b for b in backends if b[2]]
     has_fa2 = any(reference_records(recs, mode)[0] for _, recs in groups)
     has_best = any(reference_records(recs, mode)[1] for _, recs in groups)
-    headers = PROBLEM_HEADERS + [b[1] for b in backends]
+    passes = has_training(results)
+    headers = PROBLEM_HEADERS + [PASS_HEADER] * passes + [b[1] for b in backends]
     for _, label, _ in ours:
         headers += [f"{label} ÷ FA2"] * has_fa2 + [f"{label} ÷ best peer"] * has_best
     rows = []
     for p, recs in groups:
         fa2, best = reference_records(recs, mode)
-        row = _problem_cells(p) + [_cell(recs.get(name), mode) for name, _, _ in backends]
+        row = _problem_cells(p, passes) + [_cell(recs.get(name), mode) for name, _, _ in backends]
         for name, _, _ in ours:
             if has_fa2:
                 row.append(_ratio_cell(recs.get(name), fa2, mode))
@@ -285,12 +299,14 @@ def claims_summary(results: dict) -> dict:
     """Per backend of ours: the geometric mean over problems of ours ÷ the best peer, and on how
     many problems ours is at least as fast, in "graph" mode (PRIMARY: graph time, eager where a
     side has no graph, counted in `eager_fallbacks`) and in "eager" mode. Over all problems, and
-    when the run has both long (N ≥ 2048) and short (N 512, 1024) sequences, over each group.
+    when the run has both long (N ≥ 2048) and short (N 512, 1024) sequences, over each group;
+    when it has several passes (`Problem.passes`: "bwd", "fwd+bwd"), over each pass.
     Problems where ours is wrong or no peer has a correct timing are left out (`problems` counts
     those compared, `of` those in the group)."""
     groups = by_problem(results)
     seqlens = {p.seqlen_q for p, _ in groups}
     subsets = SUBSETS if any(n >= 2048 for n in seqlens) and seqlens & {512, 1024} else SUBSETS[:1]
+    subsets = list(subsets) + pass_subsets([p for p, _ in groups])
     rows = []
     for name, _, ours in backends_in(results, timed_only=False):
         if not ours:
@@ -311,6 +327,15 @@ def claims_summary(results: dict) -> dict:
         if any(r["problems"] for r in these):
             rows += these
     return {"versus": BEST_TEXT, "rule": RATIO_RULE, "rows": rows}
+
+
+def pass_subsets(problems: list[Problem]) -> list[tuple[str, Callable[[Problem], bool]]]:
+    """A summary subset per pass of the problems, in `PASS_FLOPS` order ("fwd", "bwd",
+    "fwd+bwd"), named after it; none where they all have the same pass."""
+    found = {p.passes for p in problems}
+    if len(found) < 2:
+        return []
+    return [(name, lambda p, name=name: p.passes == name) for name in PASS_FLOPS if name in found]
 
 
 def summary_lines(results: dict) -> list[str]:
@@ -526,6 +551,8 @@ def _env_lines(results: dict) -> list[str]:
         "replays (kernel time). Inputs rotate over sets totalling > 2×L2. Correct (else ✗): max abs "
         "error vs the fp32 reference ≤ 2× that of PyTorch in the input dtype + eps·max|ref|."
     )
+    if has_training(results):
+        lines.append(TRAINING_NOTE)
     lines.append(
         f"- **{RATIO_RULE[0].upper() + RATIO_RULE[1:]}**: ÷FA2, ÷best peer ({BEST_TEXT}, correct "
         "results only), the summary and the charts use CUDA-graph time, or eager time marked (e) "
@@ -534,6 +561,17 @@ def _env_lines(results: dict) -> list[str]:
     if not results.get("complete", True):
         lines.append("- **incomplete run** (stopped early; see the last records)")
     return lines
+
+
+TRAINING_NOTE = (
+    f"- training passes: bwd = the backward alone, `torch.autograd.grad(out, (q, k, v), dout, "
+    f"retain_graph=True)` after one untimed forward; fwd+bwd = the forward then that grad; every "
+    f"backend through autograd, dout random. FLOPs: bwd {PASS_FLOPS['bwd']:g}×, fwd+bwd "
+    f"{PASS_FLOPS['fwd+bwd']:g}× the forward's (FlashAttention's convention, causal halved). Timed "
+    "eagerly only (no CUDA graph: autograd runs a backward op on its forward op's stream), so "
+    "their ratios use eager time (e). Correct: each of dq, dk, dv by the rule above, against "
+    "the fp32 reference's and PyTorch's gradients by autograd."
+)
 
 
 def _ms(t: dict | None) -> str:
@@ -557,7 +595,8 @@ def details_table(results: dict) -> str:
         chk = rec.get("check") or {}
         err = MISSING
         if chk.get("max_abs_err") is not None:
-            err = f"{chk['max_abs_err']:.2e} / {chk['tol']:.2e}"
+            which = f" ({chk['grad']})" if chk.get("grad") else ""  # a training problem's gradient
+            err = f"{chk['max_abs_err']:.2e} / {chk['tol']:.2e}{which}"
         elif chk.get("reason"):
             err = chk["reason"]
         status = rec["status"] + (f": {rec['reason']}" if rec.get("reason") else "")

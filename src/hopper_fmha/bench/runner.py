@@ -16,7 +16,14 @@ dtype (fp16/bf16 matmuls, fp32 softmax: `lowp_attention`), plus a floor of one u
 output's largest value (eps(dtype) * max|ref|). On a varlen problem both are computed sequence by
 sequence and the rule applies to the packed rows. On a decode problem the reference is
 `reference_with_kvcache` and PyTorch's error is computed per sequence on its first
-cache_seqlens[b] keys (gathered from the pages when paged).
+cache_seqlens[b] keys (gathered from the pages when paged). On a training problem (a backward,
+`GradChecker`) the rule applies to each of dq, dk and dv: the fp32 reference's gradients by
+autograd against PyTorch's in the input dtype (`lowp_attention` differentiated), the same random
+dout for both and for the backend.
+
+Training problems are timed eagerly only: autograd runs each backward op on the stream its
+forward op ran on, so the backward of a forward run before a CUDA-graph capture would not be on
+the capture stream (`TRAINING_NOT_CAPTURED`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import contextlib
 import hashlib
 import importlib
 import importlib.metadata
+import math
 import platform
 import random
 import re
@@ -35,7 +43,14 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hopper_fmha.bench.registry import PADDED_UNCHECKED, Backend, BackendSkip, Problem, unpad
+from hopper_fmha.bench.registry import (
+    PADDED_UNCHECKED,
+    Backend,
+    BackendSkip,
+    Problem,
+    first_output,
+    unpad,
+)
 from hopper_fmha.bench.timing import (
     L2_FALLBACK_BYTES,
     EagerSampler,
@@ -171,7 +186,8 @@ def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
     heads, d), the caches dense (batch, capacity, kv_heads, d) or paged (pages, page_size,
     kv_heads, d) with the int32 (batch, capacity / page_size) `page_table(p, seed)` (None when
     dense), cache_seqlens int32 (batch,) (`Problem.cache_lengths`); one table and one
-    cache_seqlens for all sets."""
+    cache_seqlens for all sets; or for a training problem (q, k, v, dout), dout random like q
+    (the output's gradient), drawn after k and v."""
     import torch
 
     dtype = getattr(torch, p.dtype)
@@ -197,6 +213,8 @@ def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
             torch.randn(*kv_rows, p.kv_heads, p.head_dim, dtype=dtype, device=device, generator=g)
             for _ in range(2)
         )
+        if p.training:
+            extra = (torch.randn(*q_rows, p.heads, p.head_dim, dtype=dtype, device=device, generator=g),)
         sets.append((q, k, v, *extra))
     return sets
 
@@ -204,7 +222,8 @@ def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
 def lowp_attention(q, k, v, causal: bool, max_scores: int = 2**27):
     """Attention computed by PyTorch in the inputs' dtype: fp16/bf16 matmuls, softmax in fp32
     rounded back to the input dtype (FlashAttention's test baseline). BSHD, bottom-right causal,
-    GQA; query-row chunks keep at most `max_scores` scores alive."""
+    GQA; query-row chunks keep at most `max_scores` scores alive. Differentiable (nothing autograd
+    saves is changed in place), for the training problems' check."""
     import torch
 
     b, sq, h, d = q.shape
@@ -219,7 +238,7 @@ def lowp_attention(q, k, v, causal: bool, max_scores: int = 2**27):
         if causal:
             r = torch.arange(i, min(i + rows, sq), device=q.device)[:, None] + (sk - sq)
             s = s.masked_fill(torch.arange(sk, device=q.device)[None, :] > r, float("-inf"))
-        p = torch.softmax(s.float(), dim=-1).nan_to_num_(0.0).to(q.dtype)
+        p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
         out[:, :, i : i + rows] = torch.matmul(p, vt)
     return out.transpose(1, 2)
 
@@ -260,38 +279,149 @@ def _per_sequence(fn: Callable, q, k, v, cu_seqlens):
     return torch.cat([fn(*(x[None, a:b] for x in (q, k, v)))[0] for a, b in spans])
 
 
+def _tolerance(ref, lowp, dtype) -> tuple[float, float]:
+    """(PyTorch's error, the tolerance) for an fp32 reference `ref` and PyTorch's answer `lowp`
+    in `dtype`: max |lowp - ref|, and twice that plus eps(dtype) · max |ref|."""
+    import torch
+
+    torch_err = (lowp.float() - ref).abs().max().item()
+    return torch_err, 2 * torch_err + torch.finfo(dtype).eps * ref.abs().max().item()
+
+
+def _compare(out, ref, tol: float, torch_err: float, what: str = "output") -> dict:
+    """The check of one tensor against its fp32 reference: its max abs error, passed when finite,
+    of the reference's shape and within `tol`."""
+    import torch
+
+    res = {"max_abs_err": None, "tol": tol, "torch_lowp_err": torch_err, "passed": False}
+    if tuple(out.shape) != tuple(ref.shape):
+        res["reason"] = f"{what} shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+        return res
+    out = out.float()
+    if not torch.isfinite(out).all().item():
+        res["reason"] = f"non-finite values in the {what}"
+        return res
+    res["max_abs_err"] = (out - ref).abs().max().item()
+    res["passed"] = res["max_abs_err"] <= tol
+    return res
+
+
 class Checker:
     """The fp32 reference and the tolerance for one problem, computed from the first input set
     (with cu_seqlens: a varlen problem's packed set, checked sequence by sequence; a decode
     problem's set (q, k_cache, v_cache, cache_seqlens, page_table): against
-    `reference_with_kvcache`, whatever `reference`, which is the dense one)."""
+    `reference_with_kvcache`, whatever `reference`, which is the dense one). Forward problems
+    only: a training problem's gradients are `GradChecker`'s (`make_checker` picks)."""
 
     def __init__(self, p: Problem, q, k, v, *extra, reference: Callable | None = None):
-        import torch
-
+        if p.training:
+            raise ValueError(f"{p.label()}: a training problem is checked by GradChecker")
         if p.kvcache:
             ref, lowp = _kvcache_baselines(p, q, k, v, *extra)
         else:
             ref, lowp = _attention_baselines(p, q, k, v, *extra, reference=reference)
         self.ref = ref.float()
-        self.torch_err = (lowp.float() - self.ref).abs().max().item()
-        floor = torch.finfo(q.dtype).eps * self.ref.abs().max().item()
-        self.tol = 2 * self.torch_err + floor
+        self.torch_err, self.tol = _tolerance(self.ref, lowp, q.dtype)
 
     def check(self, out) -> dict:
-        import torch
+        return _compare(out, self.ref, self.tol, self.torch_err)
 
-        res = {"max_abs_err": None, "tol": self.tol, "torch_lowp_err": self.torch_err, "passed": False}
-        if tuple(out.shape) != tuple(self.ref.shape):
-            res["reason"] = f"output shape {tuple(out.shape)} != reference {tuple(self.ref.shape)}"
-            return res
-        out = out.float()
-        if not torch.isfinite(out).all().item():
-            res["reason"] = "non-finite values in the output"
-            return res
-        res["max_abs_err"] = (out - self.ref).abs().max().item()
-        res["passed"] = res["max_abs_err"] <= self.tol
+
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
+class GradChecker:
+    """The fp32 reference's gradients and their tolerances for one training problem, computed
+    from the first input set (q, k, v, dout): `check((dq, dk, dv))` applies the rule (module
+    docstring) to each gradient and passes when all three pass. Its result is the worst
+    gradient's check (a shape or non-finite failure first, else the largest error ÷ tolerance),
+    that gradient named in "grad" (and in "reason" when it fails), every gradient's check in
+    "grads"."""
+
+    def __init__(self, p: Problem, q, k, v, dout, *, reference: Callable | None = None):
+        self.refs, lowp = _grad_baselines(p, q, k, v, dout, reference=reference)
+        self.bounds = tuple(_tolerance(ref, low, q.dtype) for ref, low in zip(self.refs, lowp, strict=True))
+
+    def check(self, grads) -> dict:
+        if not isinstance(grads, (tuple, list)) or len(grads) != len(GRAD_NAMES):
+            what = f"{len(grads)} tensors" if isinstance(grads, (tuple, list)) else type(grads).__name__
+            return {"max_abs_err": None, "tol": None, "torch_lowp_err": None, "passed": False,
+                    "reason": f"the call returned {what}, not (dq, dk, dv)"}  # fmt: skip
+        each = {
+            name: _compare(g, ref, tol, err, name)
+            for name, g, ref, (err, tol) in zip(GRAD_NAMES, grads, self.refs, self.bounds, strict=True)
+        }
+
+        def badness(name: str) -> float:
+            err, tol = each[name]["max_abs_err"], each[name]["tol"]
+            if err is None:
+                return math.inf
+            if tol > 0:
+                return err / tol
+            return 0.0 if err == 0 else math.inf
+
+        worst = max(GRAD_NAMES, key=badness)
+        res = {**each[worst], "grad": worst, "grads": each}
+        res["passed"] = all(r["passed"] for r in each.values())
+        if not res["passed"]:
+            r = each[worst]
+            res["reason"] = r.get("reason") or (
+                f"{worst}: max abs error {r['max_abs_err']:.3g} > tolerance {r['tol']:.3g}"
+            )
         return res
+
+
+def make_checker(p: Problem, *inputs, reference: Callable | None = None) -> Checker | GradChecker:
+    """The checker of a problem on its first input set: `GradChecker` for a training problem,
+    else `Checker`."""
+    kind = GradChecker if p.training else Checker
+    return kind(p, *inputs, reference=reference)
+
+
+def _grad_baselines(p: Problem, q, k, v, dout, *, reference: Callable | None, max_scores=2**27) -> tuple:
+    """((dq, dk, dv) of the fp32 reference, the same of PyTorch in the input dtype), by autograd
+    for the output gradient dout, in the layout of q, k, v. Attention is independent across batch
+    elements and kv heads (with the q heads that use them), so both are computed per batch element
+    and block of kv heads, each block at most `max_scores` scores (what autograd keeps alive is a
+    few times that)."""
+    import torch
+
+    if reference is None:
+        from hopper_fmha.reference import reference
+
+    def exact(*qkv):
+        return first_output(reference(*qkv, causal=p.causal))
+
+    def lowp(*qkv):
+        return lowp_attention(*qkv, p.causal)
+
+    group = p.heads // p.kv_heads
+    step = max(1, max_scores // (group * p.seqlen_q * p.seqlen_k))
+    ref = tuple(torch.empty_like(x, dtype=torch.float32) for x in (q, k, v))
+    low = tuple(torch.empty_like(x) for x in (q, k, v))
+    for b in range(p.batch):
+        for first in range(0, p.kv_heads, step):
+            kv_heads = slice(first, min(first + step, p.kv_heads))
+            q_heads = slice(kv_heads.start * group, kv_heads.stop * group)
+            block = (q[b : b + 1, :, q_heads], k[b : b + 1, :, kv_heads], v[b : b + 1, :, kv_heads])
+            grad_out = dout[b : b + 1, :, q_heads]
+            with _exact_fp32_matmul():
+                want = _grads(exact, block, grad_out, torch.float32)
+            got = _grads(lowp, block, grad_out, q.dtype)
+            for heads, dst_ref, dst_low, g_ref, g_low in zip(
+                (q_heads, kv_heads, kv_heads), ref, low, want, got, strict=True
+            ):
+                dst_ref[b : b + 1, :, heads] = g_ref
+                dst_low[b : b + 1, :, heads] = g_low
+    return ref, low
+
+
+def _grads(fn: Callable, inputs: tuple, dout, dtype) -> tuple:
+    """The gradients of fn(*inputs) for the output gradient dout, everything cast to `dtype`."""
+    import torch
+
+    leaves = tuple(x.detach().to(dtype).requires_grad_() for x in inputs)
+    return torch.autograd.grad(fn(*leaves), leaves, dout.to(dtype))
 
 
 def _attention_baselines(p: Problem, q, k, v, cu_seqlens=None, *, reference: Callable | None) -> tuple:
@@ -299,7 +429,7 @@ def _attention_baselines(p: Problem, q, k, v, cu_seqlens=None, *, reference: Cal
     if reference is None:
         from hopper_fmha.reference import reference
     with _exact_fp32_matmul():
-        ref = _per_sequence(lambda *qkv: _first(reference(*qkv, causal=p.causal)), q, k, v, cu_seqlens)
+        ref = _per_sequence(lambda *qkv: first_output(reference(*qkv, causal=p.causal)), q, k, v, cu_seqlens)
     return ref, _per_sequence(lambda *qkv: lowp_attention(*qkv, p.causal), q, k, v, cu_seqlens)
 
 
@@ -320,11 +450,6 @@ def _kvcache_baselines(p: Problem, q, k_cache, v_cache, cache_seqlens, page_tabl
     return ref, torch.cat(lowp)
 
 
-def _first(out):
-    """The output of a call that returns out or (out, lse)."""
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def _short(e: BaseException) -> str:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {msg}"[:300]
@@ -340,7 +465,7 @@ def _alive(timer) -> bool:
 
 def kernel_key(p: Problem, b: Backend) -> tuple:
     """What changes the generated code (not batch or seqlen): one compile per key."""
-    kind = (p.seqlens is not None, p.kvcache, p.page_size)
+    kind = (p.seqlens is not None, p.kvcache, p.page_size, p.passes)
     return (b.name, p.dtype, p.head_dim, p.causal, p.heads // p.kv_heads, *kind)
 
 
@@ -414,34 +539,47 @@ class _Entry:
             self.drop(mode)
 
 
+def _warned(caught) -> str:
+    """The first lines of the warnings caught, as " (...)" after a failure's reason; "" if none."""
+    why = "; ".join(dict.fromkeys(str(w.message).strip().splitlines()[0] for w in caught if str(w.message)))
+    return f" ({why[:400]})" if why else ""
+
+
+# Why a training problem has no CUDA-graph time (module docstring).
+TRAINING_NOT_CAPTURED = (
+    "not captured: backward passes are timed eagerly (autograd runs a backward op on its forward "
+    "op's stream, not the capture stream)"
+)
+
+
 def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, profile_compile, profile) -> None:
     """Build, check, warm up and size the eager samples, capture the graph. Sets the record's
     status; leaves samplers in `entry` for the rounds."""
     backend, rec = entry.backend, entry.rec
     with backend.context():
-        try:
-            fns = [backend.make(p, *s) for s in sets]
-        except BackendSkip as e:
-            return fail(e.status, e.reason)
-        except Exception as e:
-            return fail("skipped", "build raised " + _short(e))
-        # SDPA explains a refusal only in warnings ("Flash attention kernel not used because ...").
+        # SDPA explains a refusal only in warnings ("Flash attention kernel not used because ..."),
+        # at the first call, or at the build for a backward (its forward runs there).
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
+                fns = [backend.make(p, *s) for s in sets]
+            except BackendSkip as e:
+                return fail(e.status, e.reason)
+            except Exception as e:
+                return fail("skipped", "build raised " + _short(e) + _warned(caught))
+            try:
                 if profile or profile_compile:
                     rec["profile"] = _profile_compile(fns[0], timer) if profile_compile else {}
-                out = _first(fns[0]())  # FA4 / FA3 return (out, lse) in some versions
-                if backend.layout == "bhsd":
-                    out = out.transpose(1, 2)
-                elif backend.layout == "padded":
-                    out = unpad(out, p.seqlens)
+                out = fns[0]()
+                if not p.training:  # a training call returns (dq, dk, dv) in q, k, v's layout
+                    out = first_output(out)  # FA4 / FA3 return (out, lse) in some versions
+                    if backend.layout == "bhsd":
+                        out = out.transpose(1, 2)
+                    elif backend.layout == "padded":
+                        out = unpad(out, p.seqlens)
                 timer.synchronize()
             except Exception as e:
-                why = "; ".join(
-                    dict.fromkeys(str(w.message).strip().splitlines()[0] for w in caught if str(w.message))
-                )
-                return fail("skipped", "raised " + _short(e) + (f" ({why[:400]})" if why else ""))
+                return fail("skipped", "raised " + _short(e) + _warned(caught))
         try:
             if backend.unchecked:
                 rec["check"] = {"passed": None, "reason": backend.unchecked}
@@ -463,7 +601,9 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
             rec["reason"] = rec["check"].get("reason") or (
                 f"max abs error {rec['check']['max_abs_err']:.3g} > tolerance {rec['check']['tol']:.3g}"
             )
-        if graph:
+        if graph and p.training:
+            rec["graph_reason"] = TRAINING_NOT_CAPTURED
+        elif graph:
             try:
                 entry.samplers["graph"] = GraphSampler(fns, timer, settings)
             except Exception as e:
@@ -472,7 +612,8 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
                     raise CudaContextLost(rec["graph_reason"], rec) from e
         if profile:
             rec["profile"]["launch_us"] = launch_us(fns, timer)
-            if backend.ours and p.seqlens is None and not p.kvcache:  # the stages are flash_attn_func's
+            if backend.ours and p.seqlens is None and not p.kvcache and not p.training:
+                # the stages are those of flash_attn_func's forward
                 rec["profile"]["host_stages_us"] = _host_stages(p, sets[0])
 
 
@@ -631,15 +772,16 @@ def run_suite(
     records = []
     profiled: set[tuple] = set()
     for i, p in enumerate(problems):
-        # The budget pays for the inputs and for the outputs each backend's graph keeps alive.
-        cost = p.input_bytes + (len(backends) * p.output_bytes if graph else 0)
+        # The budget pays for the inputs and for the outputs each backend's graph keeps alive (a
+        # backward's calls keep the forward's output and return gradients, captured or not).
+        cost = p.input_bytes + (len(backends) * p.output_bytes if graph or p.training else 0)
         n_sets = num_input_sets(p.input_bytes, l2_bytes, settings.max_sets, memory_budget, cost)
         sets = make_inputs(p, n_sets, device, seed + i)
-        cache: list[Checker] = []
+        cache: list[Checker | GradChecker] = []
 
-        def checker(p=p, sets=sets, cache=cache) -> Checker:
+        def checker(p=p, sets=sets, cache=cache) -> Checker | GradChecker:
             if not cache:
-                cache.append(Checker(p, *sets[0], reference=reference))
+                cache.append(make_checker(p, *sets[0], reference=reference))
             return cache[0]
 
         def first_compile(b: Backend, p=p) -> bool:
