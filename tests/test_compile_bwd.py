@@ -1,6 +1,7 @@
-"""Compile tier, the first backward kernel (`kernels/sm90_bwd.py`): each (dtype, head dim, mask)
-compiles for sm_90a without spills, with its five GEMMs as WGMMAs: S^T, dP^T and dQ from shared
-memory, dV and dK with A from registers. Not yet run on a GPU (tests/test_gpu_backward.py)."""
+"""Compile tier, the backward kernels (`kernels/sm90_bwd.py` v1, `kernels/sm90_bwd_ws.py` v2): each
+(dtype, head dim, mask, deterministic) compiles for sm_90a without spills, with its five GEMMs as
+WGMMAs: S^T, dP^T and dQ from shared memory, dV and dK with A from registers. Not yet run on a GPU
+(tests/test_gpu_backward.py)."""
 
 import tempfile
 
@@ -11,16 +12,17 @@ from hopper_fmha.kernels.inspect import kernel_resources, sass, sass_summary
 pytestmark = pytest.mark.compile
 
 
+@pytest.mark.parametrize("version", [1, 2], ids=["v1", "v2ws"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_backward_compiles_without_spills(dtype, head_dim, causal, deterministic):
+def test_backward_compiles_without_spills(dtype, head_dim, causal, deterministic, version):
     from hopper_fmha.kernels.sm90_bwd import compile_bwd
 
     with tempfile.TemporaryDirectory() as dump:
         compiled = compile_bwd(
-            dtype, head_dim, causal, deterministic, options=f"--keep-cubin --dump-dir={dump}"
+            dtype, head_dim, causal, deterministic, version, options=f"--keep-cubin --dump-dir={dump}"
         )
         cubin = compiled.artifacts.CUBIN
     resources = kernel_resources(cubin)
@@ -31,9 +33,14 @@ def test_backward_compiles_without_spills(dtype, head_dim, causal, deterministic
         pytest.skip(str(e))
     summary = sass_summary(text)
     assert summary["ldl"] == 0 and summary["stl"] == 0
-    # Per query block: S^T and dP^T (K = d, 16 per WGMMA), dQ (K = 64 keys); dV and dK (K = 64 queries).
-    assert summary["hgmma_ss"] == 2 * head_dim // 16 + 64 // 16
+    # Per query block: S^T and dP^T (K = d, 16 per WGMMA), dQ (K = 64 keys in v1, 128 in v2, a
+    # warpgroup per half of d); dV and dK (K = 64 queries) with A from registers.
+    assert summary["hgmma_ss"] == 2 * head_dim // 16 + 64 * version // 16
     assert summary["hgmma_rs"] == 2 * 64 // 16
+    dq_n = head_dim if version == 1 else head_dim // 2
+    assert f"64x{dq_n}x16" in summary["hgmma_shapes"]
+    if version == 2:  # the register split (setmaxnreg) took effect
+        assert "USETMAXREG" in text
     assert summary["utmaldg"] > 0
     # The semaphores' GPU-scope fence (release) exists in deterministic mode only.
     assert ("MEMBAR.ALL.GPU" in text) == deterministic

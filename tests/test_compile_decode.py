@@ -13,8 +13,8 @@ from test_compile_ws_features import inspected, inspected_without_spills  # noqa
 from hopper_fmha.config import (
     SUPPORTED_HEAD_DIMS,
     launch_config,
-    pages_per_block,
     paged_tile_n,
+    pages_per_block,
     select_config,
     short_block_stages,
 )
@@ -68,7 +68,8 @@ def test_paged_compiles_without_spills(head_dim, causal, page_size, group, split
     key = KernelKey.from_config("bfloat16", causal, launch_config(cfg, causal, 1, exact_lse=True))
     stages = short_block_stages(*cfg.kernel_dims, cfg.tile_m, cfg.tile_n, key.num_stages)
     key = key._replace(
-        seqused_k=True, split_kv=split_kv, paged=pages_per_block(page_size, cfg.tile_n), cluster_m=1, pack_gqa=group, causal_trim=False,
+        seqused_k=True, split_kv=split_kv, paged=pages_per_block(page_size, cfg.tile_n), cluster_m=1,
+        pack_gqa=group, causal_trim=False,
         num_stages=stages, sink=group > 1,
     )  # fmt: skip
     if page_size < key.tile_n:  # a key block of several pages, one TMA each

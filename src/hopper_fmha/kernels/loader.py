@@ -239,7 +239,8 @@ class TmaLoader:
         last_page = cutlass.max(views.seqlen_k - 1, 0) // rows
         pipe.producer_acquire(state)
         sX_stage = sX[None, None, state.index]
-        for i in cutlass.range(self.paged, unroll=1):  # a loop, not unrolled: the producer's registers are few
+        # A loop, not unrolled: the producer warp has few registers (unrolled, it spilled).
+        for i in cutlass.range(self.paged, unroll=1):
             page = self.page_table[views.batch, cutlass.min(n_block * self.paged + i, last_page)]
             gX = cute.local_tile(mX[None, None, views.head_kv, page], (rows, cols), (0, 0))
             sX_page = cute.local_tile(sX_stage, (rows, cols), (i, 0))

@@ -401,12 +401,30 @@ def fake_arguments(dtype, head_dim: int, deterministic: bool = False):
     return (q, k, v, do, bhs(), bhs(), dq, dk, dv, sem, Float32(1.0), Int32(1), stream)
 
 
-def compile_bwd(dtype_name: str, head_dim: int, causal: bool, deterministic: bool = False, options: str = ""):
+# The kernel `backward` runs: 1 = `BwdSm90` (one warpgroup per 64 keys), 2 = `sm90_bwd_ws.BwdWsSm90`
+# (a producer warp and two consumer warpgroups per 128 keys). Neither has run on a GPU yet.
+VERSIONS = (1, 2)
+DEFAULT_VERSION = 2
+
+
+def compile_bwd(
+    dtype_name: str,
+    head_dim: int,
+    causal: bool,
+    deterministic: bool = False,
+    version: int = DEFAULT_VERSION,
+    options: str = "",
+):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
-    kernel = BwdSm90(dtype, head_dim, causal, deterministic)
+    if version == 2:
+        from .sm90_bwd_ws import BwdWsSm90
+
+        kernel = BwdWsSm90(dtype, head_dim, causal, deterministic)
+    else:
+        kernel = BwdSm90(dtype, head_dim, causal, deterministic)
     return cute.compile(kernel, *fake_arguments(dtype, head_dim, deterministic), options=opts)
 
 
@@ -418,7 +436,20 @@ def _chunks(total: int, size: int):
     return [(start, min(start + size, total)) for start in range(0, total, size)]
 
 
-def backward(q, k, v, out, dout, lse, softmax_scale: float, causal: bool, *, dlse=None, deterministic=False):
+def backward(
+    q,
+    k,
+    v,
+    out,
+    dout,
+    lse,
+    softmax_scale: float,
+    causal: bool,
+    *,
+    dlse=None,
+    deterministic=False,
+    version=None,
+):
     """(dq, dk, dv) of `flash_attn_func`'s forward (q, k, v, out, lse as it returned them, lse
     exact), for the upstream gradients dout and, where the caller used the LSE, dlse (b, h, s_q);
     d = 64 or 128, fp16/bf16, BSHD, GQA/MQA. Not yet run on a GPU.
@@ -453,7 +484,7 @@ def backward(q, k, v, out, dout, lse, softmax_scale: float, causal: bool, *, dls
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // TILE), device=q.device, dtype=torch.int32)
-    key = (dtype_name, d, bool(causal), bool(deterministic))
+    key = (dtype_name, d, bool(causal), bool(deterministic), DEFAULT_VERSION if version is None else version)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)

@@ -1,0 +1,494 @@
+"""Backward pass, second version: warp-specialized (compile tier only: not yet run on a GPU).
+
+The first version's arithmetic (`sm90_bwd`, whose docstring defines it: S^T, P^T, dP^T, dS^T
+with the keys as rows) in the forward ws kernel's structure: one producer warp issues every
+load, two consumer warpgroups compute. A CTA owns 128 keys of one (batch, q head), consumer
+warpgroup w the keys [64w, 64w + 64), so each query block's Q and dO (64 rows) are loaded once
+per 128 keys (v1: per 64) and the dQ of 128 keys leaves in one set of atomics. Per query block
+m, each consumer warpgroup:
+
+    S^T_w = K_w Q_m^T,  dP^T_w = V_w dO_m^T     SS-WGMMA, 64 keys x 64 queries (dP^T issued
+                                                before P^T is computed, so it runs beside it)
+    P^T_w, dS^T_w in registers                  the mask only on blocks that need it
+    dS^T_w -> rows [64w, 64w + 64) of sdS[m % 2]  stmatrix, then a named barrier over both
+    dV_w += P^T_w dO_m,  dK_w += dS^T_w Q_m     RS-WGMMA
+    dQ_m[:, half w] = dS_m K[:, half w]         SS-WGMMA, M = 64 queries, N = d / 2, K = 128
+                                                keys: dS_m from both warpgroups (sdS read
+                                                transposed), K^T's columns of half w
+    dQacc[m][:, half w] += scale * that         fp32 atomics (deterministic: at the CTA's turn)
+
+Q and dO stream through two-stage TMA pipelines (the producer runs up to two query blocks ahead),
+released when a block's last GEMM has read them. sdS has two buffers: when a warpgroup passes
+block m + 1's barrier, the other has finished block m (its dQ GEMM read sdS[m % 2] included), so
+block m + 2 may overwrite that buffer. Deterministic mode: `sm90_bwd`'s semaphores with 128-key
+blocks (one turn per CTA, both warpgroups' halves of dQ inside it).
+
+Arguments and host side: as `sm90_bwd.BwdSm90` (the same `backward` drives both; the
+semaphores count 64-row query blocks as there).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+
+from .sm90_common import (
+    LOG2_E,
+    acc_mn_layout,
+    acc_to_operand_a_layout,
+    convert,
+    gemm,
+    smem_layout,
+    stmatrix_copy,
+    tiled_mma_64,
+)
+
+WARPGROUP = 128
+NUM_THREADS = 3 * WARPGROUP  # producer warpgroup (one warp loads) + two consumer warpgroups
+NUM_MMA_THREADS = 2 * WARPGROUP
+TILE_M = 64  # queries per step
+TILE_N = 128  # keys per CTA, 64 per consumer warpgroup
+STAGES = 2  # Q and dO pipeline stages
+# Producer, consumers (setmaxnreg, which ptxas honours only with min_blocks_per_mp=1 at launch):
+# 24 * 128 + 240 * 256 <= 64K.
+REGISTERS = (24, 240)
+BARRIER_DS = 1  # named barrier: both consumer warpgroups' dS^T rows are in sdS
+BARRIER_TURN = 2  # deterministic mode: the CTA's turn to add dQ has come / its adds are done
+
+
+class BwdWsSm90:
+    """Compile-time configuration of the warp-specialized backward kernel; `__call__` launches it
+    with `sm90_bwd.BwdSm90.__call__`'s arguments."""
+
+    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool = False):
+        assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.deterministic = deterministic
+
+    # ---------------------------------------------------------------- host side
+    def _tiled_mmas(self):
+        d = self.head_dim
+        rmem = warpgroup.OperandSource.RMEM
+        return (
+            # S^T and dP^T: M = 128 keys (a warpgroup per 64), N = 64 queries, K = d; B K-major.
+            tiled_mma_64(self.dtype, OperandMajorMode.K, TILE_M, num_wg=2),
+            # dV += P^T dO, dK += dS^T Q: M = 128 keys, N = d, K = 64 queries; A from registers.
+            tiled_mma_64(self.dtype, OperandMajorMode.MN, d, num_wg=2, a_source=rmem),
+            # dQ = dS K: M = 64 queries, N = d as two halves (a warpgroup each), K = 128 keys;
+            # A = dS read transposed from sdS, B = K^T: both MN-major.
+            sm90_utils.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                OperandMajorMode.MN,
+                OperandMajorMode.MN,
+                Float32,
+                atom_layout_mnk=(1, 2, 1),
+                tiler_mn=(64, d // 2),
+            ),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mD: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mSem: cute.Tensor | None,
+        softmax_scale: Float32,
+        qhead_per_kvhead: Int32,
+        stream: cuda.CUstream,
+    ):
+        d = self.head_dim
+        # Sequence first, as TMA and WGMMA take them: (s, d, h, b); LSE and D (s, h, b).
+        mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+            for t in (mQ, mK, mV, mdO, mdQacc, mdK, mdV)
+        ]
+        mLSE, mD = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mD)]
+
+        tiled_mma_s, tiled_mma_kv, tiled_mma_dq = self._tiled_mmas()
+        kv_layout = smem_layout(self.dtype, TILE_N, d)
+        q_layout = smem_layout(self.dtype, TILE_M, d, STAGES)
+        ds_layout = smem_layout(self.dtype, TILE_N, TILE_M, 2)  # dS^T: keys x queries, two buffers
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        q_stage = cute.select(q_layout, mode=[0, 1])
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_op, mQ, q_stage, (TILE_M, d))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(tma_op, mdO, q_stage, (TILE_M, d))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, kv_layout, (TILE_N, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, kv_layout, (TILE_N, d))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_KV: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]  # full + empty per stage
+            mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE_N), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, qhead_per_kvhead,
+            kv_layout, q_layout, ds_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq, SharedStorage,
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_atom_dO: cute.CopyAtom,
+        mdO: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        mV: cute.Tensor,
+        mLSE: cute.Tensor,
+        mD: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mSem: cute.Tensor | None,
+        softmax_scale: Float32,
+        qhead_per_kvhead: Int32,
+        kv_layout: cute.ComposedLayout,
+        q_layout: cute.ComposedLayout,
+        ds_layout: cute.ComposedLayout,
+        tiled_mma_s: cute.TiledMma,
+        tiled_mma_kv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        num_n = (seqlen_k + TILE_N - 1) // TILE_N
+        if const_expr(self.deterministic and self.causal):
+            n_block = num_n - 1 - n_block  # later key blocks first: they take the earlier turns
+        n0 = n_block * TILE_N
+        # Query blocks that see a key of this CTA: all, or (causal, bottom-right aligned) from the
+        # block of the first row that sees key n0: row i sees key j iff j <= i + s_k - s_q.
+        num_m = (seqlen_q + TILE_M - 1) // TILE_M
+        m_min = 0
+        if const_expr(self.causal):
+            m_min = cutlass.max(n0 - (seqlen_k - seqlen_q), 0) // TILE_M
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        mbar_KV = storage.mbar_KV.data_ptr()
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_KV, 1)
+        # "full": one producer arrive plus the TMA bytes; "empty": one arrive per consumer warp.
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_THREADS // 32)
+        tile_bytes = cute.size_in_bytes(self.dtype, cute.select(q_layout, mode=[0, 1]))
+        pipes = [
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(),
+                num_stages=STAGES,
+                producer_group=producer_group,
+                consumer_group=consumer_group,
+                tx_count=tile_bytes,
+                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                defer_sync=True,
+            )
+            for mbar in (storage.mbar_Q, storage.mbar_dO)
+        ]
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sdO = storage.sdO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(REGISTERS[0])
+            if warp_idx == 0:
+                self.producer(
+                    tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, sQ, sdO, sK, sV,
+                    mbar_KV, pipes, n_block, head, head // qhead_per_kvhead, batch, m_min, num_m,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(REGISTERS[1])
+            tidx = cute.arch.thread_idx()[0] - WARPGROUP
+            self.consumer(
+                tidx, sQ, sdO, sK, sV, sdS, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv, tiled_mma_dq,
+                mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, batch, m_min, num_m,
+                num_n,
+            )  # fmt: skip
+
+    # ---------------------------------------------------------------- producer
+    @cute.jit
+    def producer(
+        self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, sQ, sdO, sK, sV,
+        mbar_KV, pipes, n_block, head, head_kv, batch, m_min, num_m,
+    ):  # fmt: skip
+        """One warp: K and V of the CTA's keys once, then Q and dO of every query block it
+        walks, each into the next free stage of its pipeline."""
+        d = self.head_dim
+        pipe_q, pipe_do = pipes
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
+
+        def partition(atom, smem_tile, gmem_tiles):
+            s_grouped, g_grouped = cute.group_modes(smem_tile, 0, 2), cute.group_modes(gmem_tiles, 0, 2)
+            return cpasync.tma_partition(atom, 0, cute.make_layout(1), s_grouped, g_grouped)
+
+        tKsK, tKgK = partition(tma_atom_K, sK, gK)
+        tVsV, tVgV = partition(tma_atom_V, sV, gV)
+        tQsQ, tQgQ = partition(tma_atom_Q, sQ, gQ)
+        tOsdO, tOgdO = partition(tma_atom_dO, sdO, gdO)
+        kv_bytes = cute.size_in_bytes(self.dtype, sK.layout)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_KV, 2 * kv_bytes)
+        cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=mbar_KV)
+        cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=mbar_KV)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        for m_block in cutlass.range(m_min, num_m, unroll=1):
+            pipe_q.producer_acquire(q_state)
+            cute.copy(
+                tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
+                tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
+            )  # fmt: skip
+            q_state.advance()
+            pipe_do.producer_acquire(do_state)
+            cute.copy(
+                tma_atom_dO, tOgdO[None, m_block], tOsdO[None, do_state.index],
+                tma_bar_ptr=pipe_do.producer_get_barrier(do_state),
+            )  # fmt: skip
+            do_state.advance()
+        # Stay until the consumers have released every stage: no arrive lands after exit.
+        pipe_q.producer_tail(q_state)
+        pipe_do.producer_tail(do_state)
+
+    # ---------------------------------------------------------------- consumers
+    @cute.jit
+    def consumer(
+        self, tidx, sQ, sdO, sK, sV, sdS, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv, tiled_mma_dq,
+        mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, batch, m_min, num_m, num_n,
+    ):  # fmt: skip
+        """Both consumer warpgroups (tidx 0..255): the query blocks [m_min, num_m), then dK, dV."""
+        d = self.head_dim
+        pipe_q, pipe_do = pipes
+        seqlen_q = mLSE.shape[0]
+        seqlen_k = mdK.shape[0]
+        scale_log2 = softmax_scale * LOG2_E
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        n0 = n_block * TILE_N
+
+        # Transposed views (the forward's V^T), with their stage modes: Q^T, dO^T (d, 64, stages)
+        # for dK and dV; K^T (d, 128) and dS (64 queries, 128 keys, buffers) for dQ.
+        staged_t = cute.make_ordered_layout((d, TILE_M, STAGES), order=(1, 0, 2))
+        sQt, sdOt = cute.composition(sQ, staged_t), cute.composition(sdO, staged_t)
+        sKt = cute.composition(sK, cute.make_ordered_layout((d, TILE_N), order=(1, 0)))
+        sdSt = cute.composition(sdS, cute.make_ordered_layout((TILE_M, TILE_N, 2), order=(1, 0, 2)))
+
+        # smem operand descriptors per warpgroup; accumulators per thread.
+        wg_s, wg_kv, wg_dq = (m.get_slice(wg * WARPGROUP) for m in (tiled_mma_s, tiled_mma_kv, tiled_mma_dq))
+        thr_s, thr_kv, thr_dq = (m.get_slice(tidx) for m in (tiled_mma_s, tiled_mma_kv, tiled_mma_dq))
+        tSrK = wg_s.make_fragment_A(wg_s.partition_A(sK))
+        tSrQ = wg_s.make_fragment_B(wg_s.partition_B(sQ))
+        tPrV = wg_s.make_fragment_A(wg_s.partition_A(sV))
+        tPrdO = wg_s.make_fragment_B(wg_s.partition_B(sdO))
+        tVrdOt = wg_kv.make_fragment_B(wg_kv.partition_B(sdOt))
+        tKrQt = wg_kv.make_fragment_B(wg_kv.partition_B(sQt))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdSt))
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+
+        acc_shape_S = thr_s.partition_shape_C((TILE_N, TILE_M))
+        acc_dV = thr_kv.make_fragment_C(thr_kv.partition_shape_C((TILE_N, d)))
+        acc_dK = thr_kv.make_fragment_C(thr_kv.partition_shape_C((TILE_N, d)))
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # This thread's (key, query) coordinates in an S^T tile, as rows and columns.
+        cS = thr_s.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
+        tScS = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
+        smem_copy_dS = stmatrix_copy(self.dtype, tiled_mma_s, tidx)
+        tdSsdS = smem_copy_dS.partition_D(sdS)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        cute.arch.mbarrier_wait(mbar_KV, 0)
+        for m_block in cutlass.range(m_min, num_m, unroll=1):
+            m0 = m_block * TILE_M
+            buf = (m_block - m_min) % 2
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
+            pipe_q.consumer_wait(q_state)
+            gemm(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, q_state.index], zero_init=True, wg_wait=-1)
+            pipe_do.consumer_wait(do_state)
+            gemm(
+                tiled_mma_s, acc_dP, tPrV, tPrdO[None, None, None, do_state.index], zero_init=True, wg_wait=-1
+            )
+            # Blocks that need the element mask: keys past the end, or (causal) keys past some
+            # row's diagonal. Rows past seqlen_q need none: their LSE is taken as +inf (P = 0).
+            past = n0 + TILE_N - seqlen_k  # > 0: keys past the end
+            if const_expr(self.causal):  # > 0: the block's last key is past its first row's diagonal
+                past = cutlass.max(past, n0 + TILE_N - 1 - (m0 + seqlen_k - seqlen_q))
+            masked = past > 0
+            warpgroup.wait_group(1)  # S^T done; dP^T may still run
+            self.probabilities(acc_S, acc_dP, tScS, mLSE, mD, m0, n0, head, batch, seqlen_q, seqlen_k,
+                               scale_log2, masked)  # fmt: skip
+            rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+            convert(acc_S, rP)
+            rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
+            convert(acc_dP, rdS)
+            # dS^T to this block's buffer; both warpgroups' rows before either reads it for dQ.
+            cute.copy(smem_copy_dS, smem_copy_dS.retile(rdS), tdSsdS[None, None, None, buf])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BARRIER_DS, number_of_threads=NUM_MMA_THREADS)
+
+            tVrP = cute.make_tensor(rP.iterator, acc_to_operand_a_layout(rP.layout))
+            tKrdS = cute.make_tensor(rdS.iterator, acc_to_operand_a_layout(rdS.layout))
+            gemm(
+                tiled_mma_kv,
+                acc_dV,
+                tVrP,
+                tVrdOt[None, None, None, do_state.index],
+                zero_init=False,
+                wg_wait=-1,
+            )
+            gemm(
+                tiled_mma_kv,
+                acc_dK,
+                tKrdS,
+                tKrQt[None, None, None, q_state.index],
+                zero_init=False,
+                wg_wait=-1,
+            )
+            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
+            gemm(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buf], tQrKt, zero_init=True, wg_wait=0)
+            # Every GEMM of this block has read Q and dO: their stages go back to the producer.
+            pipe_q.consumer_release(q_state)
+            pipe_do.consumer_release(do_state)
+            q_state.advance()
+            do_state.advance()
+
+            if const_expr(self.deterministic):
+                turn = n_block
+                if const_expr(self.causal):  # descending from the last key block m_block sees
+                    n_end = cutlass.min(num_n, (m0 + TILE_M - 1 + seqlen_k - seqlen_q) // TILE_N + 1)
+                    turn = n_end - 1 - n_block
+                self.wait_turn(mSem, m_block, head, batch, turn, tidx)
+            self.add_dq(acc_dQ, thr_dq, mdQacc, softmax_scale, m0, head, batch, seqlen_q)
+            if const_expr(self.deterministic):
+                self.pass_turn(mSem, m_block, head, batch, tidx)
+
+        self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, head, batch, seqlen_k)
+
+    @cute.jit
+    def probabilities(
+        self, acc_S, acc_dP, tScS, mLSE, mD, m0, n0, head, batch, seqlen_q, seqlen_k, scale_log2, masked
+    ):
+        """P^T and dS^T in place of S^T and dP^T (waits for dP^T after P^T): P = exp2(S scale log2 e
+        - LSE log2 e), 0 where masked; dS = P (dP - D). Columns are queries, rows keys."""
+        acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+        acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
+        cols = cute.size(acc_S_mn, mode=[1])
+        rows = cute.size(acc_S_mn, mode=[0])
+        lse_log2 = cute.make_rmem_tensor((cols,), Float32)
+        for c in cutlass.range_constexpr(cols):
+            q = m0 + tScS[0, c][1]
+            lse_log2[c] = Float32.inf  # rows past the end and rows without keys: P = 0
+            if q < seqlen_q:
+                lse = mLSE[q, head, batch]
+                if lse != -Float32.inf:
+                    lse_log2[c] = lse * LOG2_E
+        if masked:
+            for c in cutlass.range_constexpr(cols):
+                # Visible: inside the keys, and (causal) key <= q + s_k - s_q, as one limit.
+                limit = seqlen_k
+                if const_expr(self.causal):
+                    limit = cutlass.min(seqlen_k, m0 + tScS[0, c][1] + seqlen_k - seqlen_q + 1)
+                for r in cutlass.range_constexpr(rows):
+                    p = Float32(0.0)
+                    if n0 + tScS[r, c][0] < limit:
+                        p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2[c], fastmath=True)
+                    acc_S_mn[r, c] = p
+        else:
+            for c in cutlass.range_constexpr(cols):
+                for r in cutlass.range_constexpr(rows):
+                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2[c], fastmath=True)
+        warpgroup.wait_group(0)  # dP^T done
+        for c in cutlass.range_constexpr(cols):
+            q = m0 + tScS[0, c][1]
+            dsum = Float32(0.0)  # loaded here, not beside the LSE: fewer registers live across the wait
+            if q < seqlen_q:
+                dsum = mD[q, head, batch]
+            for r in cutlass.range_constexpr(rows):
+                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum)
+
+    @cute.jit
+    def wait_turn(self, mSem, m_block, head, batch, turn, tidx):
+        """Until dQacc[m_block]'s counter reaches `turn` (one thread spins; acquire, GPU scope)."""
+        if tidx == 0:
+            sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+            seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
+            while seen != turn:
+                seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
+        cute.arch.barrier(barrier_id=BARRIER_TURN, number_of_threads=NUM_MMA_THREADS)
+
+    @cute.jit
+    def pass_turn(self, mSem, m_block, head, batch, tidx):
+        """Both warpgroups' dQ additions made visible at GPU scope, then the counter moves on."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=BARRIER_TURN, number_of_threads=NUM_MMA_THREADS)
+        if tidx == 0:
+            sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+            cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def add_dq(self, acc_dQ, thr_dq, mdQacc, scale, m0, head, batch, seqlen_q):
+        """dQacc[m0 + i, cols] += scale * acc_dQ[i, cols] by fp32 atomics, rows inside the
+        sequence, this warpgroup's half of the columns."""
+        cQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, self.head_dim)))
+        cQ_mn = cute.make_tensor(cQ.iterator, acc_mn_layout(cQ.layout))
+        acc_mn = cute.make_tensor(acc_dQ.iterator, acc_mn_layout(acc_dQ.layout))
+        gdQ = mdQacc[None, None, head, batch]
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            q = m0 + cQ_mn[r, 0][0]
+            if q < seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    ptr = gdQ.iterator + cute.crd2idx((q, cQ_mn[r, c][1]), gdQ.layout)
+                    cute.arch.atomic_add(ptr, acc_mn[r, c] * scale)
+
+    @cute.jit
+    def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen_k):
+        """dK * scale and dV of this CTA's keys, fp32, rows inside the sequence (this q head's)."""
+        cK = thr_kv.partition_C(cute.make_identity_tensor((TILE_N, self.head_dim)))
+        cK_mn = cute.make_tensor(cK.iterator, acc_mn_layout(cK.layout))
+        dK_mn = cute.make_tensor(acc_dK.iterator, acc_mn_layout(acc_dK.layout))
+        dV_mn = cute.make_tensor(acc_dV.iterator, acc_mn_layout(acc_dV.layout))
+        for r in cutlass.range_constexpr(cute.size(dK_mn, mode=[0])):
+            key = n0 + cK_mn[r, 0][0]
+            if key < seqlen_k:
+                for c in cutlass.range_constexpr(cute.size(dK_mn, mode=[1])):
+                    col = cK_mn[r, c][1]
+                    mdK[key, col, head, batch] = dK_mn[r, c] * scale
+                    mdV[key, col, head, batch] = dV_mn[r, c]
