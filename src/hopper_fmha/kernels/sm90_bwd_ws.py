@@ -15,7 +15,8 @@ m, each consumer warpgroup:
     dQ_m[:, half w] = dS_m K[:, half w]         SS-WGMMA, M = 64 queries, N = d / 2, K = 128
                                                 keys: dS_m from both warpgroups (sdS read
                                                 transposed), K^T's columns of half w
-    dQacc[m][:, half w] += scale * that         fp32 atomics (deterministic: at the CTA's turn)
+    dQacc[m][:, half w] += scale * that         red.global.add.v2.f32 per column pair (deterministic:
+                                                at the CTA's turn)
 
 Q and dO stream through two-stage TMA pipelines (the producer runs up to two query blocks ahead),
 released when a block's last GEMM has read them. sdS has two buffers: when a warpgroup passes
@@ -34,6 +35,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from .sm90_common import (
@@ -471,12 +474,16 @@ class BwdWsSm90:
         cQ_mn = cute.make_tensor(cQ.iterator, acc_mn_layout(cQ.layout))
         acc_mn = cute.make_tensor(acc_dQ.iterator, acc_mn_layout(acc_dQ.layout))
         gdQ = mdQacc[None, None, head, batch]
+        pair = ir.VectorType.get([2], ir.F32Type.get())
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             q = m0 + cQ_mn[r, 0][0]
             if q < seqlen_q:
-                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                # Columns c, c + 1 are adjacent (the accumulator's innermost mode): one 8-byte
+                # vector atomic (red.global.add.v2.f32) per pair.
+                for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
                     ptr = gdQ.iterator + cute.crd2idx((q, cQ_mn[r, c][1]), gdQ.layout)
-                    cute.arch.atomic_add(ptr, acc_mn[r, c] * scale)
+                    lo, hi = (acc_mn[r, c + i] * scale for i in range(2))
+                    cute.arch.atomic_add(ptr, vector.from_elements(pair, [lo.ir_value(), hi.ir_value()]))
 
     @cute.jit
     def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen_k):
