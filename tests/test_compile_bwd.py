@@ -44,3 +44,23 @@ def test_backward_compiles_without_spills(dtype, head_dim, causal, deterministic
     assert summary["utmaldg"] > 0
     # The semaphores' GPU-scope fence (release) exists in deterministic mode only.
     assert ("MEMBAR.ALL.GPU" in text) == deterministic
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["v1", "v2ws"])
+def test_mha_stores_dk_dv_in_the_inputs_type(version):
+    # MHA: dK, dV leave as 16-bit values (no fp32 buffers for the host to sum and cast).
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    texts = {}
+    for mha in (False, True):
+        with tempfile.TemporaryDirectory() as dump:
+            compiled = compile_bwd(
+                "bfloat16", 128, True, False, version, mha, options=f"--keep-cubin --dump-dir={dump}"
+            )
+            cubin = compiled.artifacts.CUBIN
+        assert kernel_resources(cubin)["stack_bytes"] == 0
+        try:
+            texts[mha] = sass(cubin)
+        except RuntimeError as e:  # no nvdisasm
+            pytest.skip(str(e))
+    assert "STG.E.U16" in texts[True] and "STG.E.U16" not in texts[False]

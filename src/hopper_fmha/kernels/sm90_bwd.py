@@ -355,7 +355,8 @@ class BwdSm90:
 
     @cute.jit
     def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen_k):
-        """dK * scale and dV of this key block, fp32, rows inside the sequence (this q head's)."""
+        """dK * scale and dV of this key block in mdK's type (fp32 per q head with GQA, the inputs'
+        type with MHA), rows inside the sequence (this q head's)."""
         cK = thr_kv.partition_C(cute.make_identity_tensor((TILE, self.head_dim)))
         cK_mn = cute.make_tensor(cK.iterator, acc_mn_layout(cK.layout))
         dK_mn = cute.make_tensor(acc_dK.iterator, acc_mn_layout(acc_dK.layout))
@@ -365,17 +366,18 @@ class BwdSm90:
             if key < seqlen_k:
                 for c in cutlass.range_constexpr(cute.size(dK_mn, mode=[1])):
                     col = cK_mn[r, c][1]
-                    mdK[key, col, head, batch] = dK_mn[r, c] * scale
-                    mdV[key, col, head, batch] = dV_mn[r, c]
+                    mdK[key, col, head, batch] = (dK_mn[r, c] * scale).to(mdK.element_type)
+                    mdV[key, col, head, batch] = dV_mn[r, c].to(mdV.element_type)
 
 
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 
 
-def fake_arguments(dtype, head_dim: int, deterministic: bool = False):
+def fake_arguments(dtype, head_dim: int, deterministic: bool = False, mha: bool = False):
     """Compile-time stand-ins for `BwdSm90.__call__`'s arguments: sizes symbolic, 16-bit and fp32
     tensors with TMA-ready strides (multiples of 8 elements, 16-byte aligned), LSE and D's last
-    mode contiguous, the semaphores (deterministic mode) contiguous; the stream TVM-FFI's current one."""
+    mode contiguous, the semaphores (deterministic mode) contiguous; the stream TVM-FFI's current one.
+    dK, dV: fp32 per q head, or (mha) in the inputs' type, the gradients themselves."""
     b, sq, sk, h, hkv, nm = (cute.sym_int() for _ in range(6))
 
     def bshd(seqlen, heads, elem):
@@ -391,7 +393,8 @@ def fake_arguments(dtype, head_dim: int, deterministic: bool = False):
 
     q, do = bshd(sq, h, dtype), bshd(sq, h, dtype)
     k, v = bshd(sk, hkv, dtype), bshd(sk, hkv, dtype)
-    dq, dk, dv = bshd(sq, h, Float32), bshd(sk, h, Float32), bshd(sk, h, Float32)
+    dkv = dtype if mha else Float32
+    dq, dk, dv = bshd(sq, h, Float32), bshd(sk, h, dkv), bshd(sk, h, dkv)
     sem = None
     if deterministic:
         sem = cute.runtime.make_fake_tensor(
@@ -413,6 +416,7 @@ def compile_bwd(
     causal: bool,
     deterministic: bool = False,
     version: int = DEFAULT_VERSION,
+    mha: bool = False,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
@@ -425,7 +429,7 @@ def compile_bwd(
         kernel = BwdWsSm90(dtype, head_dim, causal, deterministic)
     else:
         kernel = BwdSm90(dtype, head_dim, causal, deterministic)
-    return cute.compile(kernel, *fake_arguments(dtype, head_dim, deterministic), options=opts)
+    return cute.compile(kernel, *fake_arguments(dtype, head_dim, deterministic, mha), options=opts)
 
 
 _compiled: dict = {}
@@ -455,8 +459,9 @@ def backward(
     d = 64 or 128, fp16/bf16, BSHD, GQA/MQA. Not yet run on a GPU.
 
     D = rowsum(dout * out) - dlse and the zeroed fp32 dQ accumulator are torch operations here;
-    the kernel writes per-q-head fp32 dK, dV that a GQA group's sum reduces to its kv head. Batch
-    and heads past CUDA's 65535 grid limit launch in chunks (whole GQA groups)."""
+    the kernel writes per-q-head fp32 dK, dV that a GQA group's sum reduces to its kv head, or,
+    with MHA, dK and dV in the inputs' type. Batch and heads past CUDA's 65535 grid limit launch
+    in chunks (whole GQA groups)."""
     import torch
 
     from hopper_fmha.backward import row_delta
@@ -479,16 +484,19 @@ def backward(
     delta = row_delta(out, dout, dlse)
     lse = lse.contiguous()
     dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
-    dk = torch.zeros(batch, seqlen_k, heads, d, device=q.device, dtype=torch.float32)
-    dv = torch.zeros_like(dk)
+    group = heads // kv_heads
+    mha = group == 1
+    # Every key row is written by the CTA that owns it (zeros where no query sees it).
+    dk = torch.empty(batch, seqlen_k, heads, d, device=q.device, dtype=q.dtype if mha else torch.float32)
+    dv = torch.empty_like(dk)
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // TILE), device=q.device, dtype=torch.int32)
-    key = (dtype_name, d, bool(causal), bool(deterministic), DEFAULT_VERSION if version is None else version)
+    version = DEFAULT_VERSION if version is None else version
+    key = (dtype_name, d, bool(causal), bool(deterministic), version, mha)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
-    group = heads // kv_heads
     if seqlen_k > 0 and seqlen_q > 0:
         head_step = GRID_YZ_MAX - GRID_YZ_MAX % group  # whole groups: kv head = q head // group
         for b0, b1 in _chunks(batch, GRID_YZ_MAX):
@@ -500,6 +508,11 @@ def backward(
                     dk[b0:b1, :, h0:h1], dv[b0:b1, :, h0:h1],
                     None if sem is None else sem[b0:b1, h0:h1], softmax_scale, group,
                 )  # fmt: skip
+    else:
+        dk.zero_()
+        dv.zero_()
+    if mha:
+        return dq_acc.to(q.dtype), dk, dv
     dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
     dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
     return dq_acc.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)

@@ -487,7 +487,8 @@ class BwdWsSm90:
 
     @cute.jit
     def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen_k):
-        """dK * scale and dV of this CTA's keys, fp32, rows inside the sequence (this q head's)."""
+        """dK * scale and dV of this CTA's keys in mdK's type (fp32 per q head with GQA, the inputs'
+        type with MHA), rows inside the sequence (this q head's)."""
         cK = thr_kv.partition_C(cute.make_identity_tensor((TILE_N, self.head_dim)))
         cK_mn = cute.make_tensor(cK.iterator, acc_mn_layout(cK.layout))
         dK_mn = cute.make_tensor(acc_dK.iterator, acc_mn_layout(acc_dK.layout))
@@ -497,5 +498,5 @@ class BwdWsSm90:
             if key < seqlen_k:
                 for c in cutlass.range_constexpr(cute.size(dK_mn, mode=[1])):
                     col = cK_mn[r, c][1]
-                    mdK[key, col, head, batch] = dK_mn[r, c] * scale
-                    mdV[key, col, head, batch] = dV_mn[r, c]
+                    mdK[key, col, head, batch] = (dK_mn[r, c] * scale).to(mdK.element_type)
+                    mdV[key, col, head, batch] = dV_mn[r, c].to(mdV.element_type)
