@@ -64,3 +64,23 @@ def test_mha_stores_dk_dv_in_the_inputs_type(version):
         except RuntimeError as e:  # no nvdisasm
             pytest.skip(str(e))
     assert "STG.E.U16" in texts[True] and "STG.E.U16" not in texts[False]
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["plain", "dlse"])
+@pytest.mark.parametrize("head_dim_v", [64, 72, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_preprocess_compiles(dtype, head_dim_v, with_dlse):
+    # D = rowsum(dO * O) - dLSE: 128-bit loads of O and dO, one fp32 store per row, no stack.
+    from hopper_fmha.kernels.bwd_preprocess import compile_preprocess
+
+    with tempfile.TemporaryDirectory() as dump:
+        cubin = compile_preprocess(
+            dtype, head_dim_v, with_dlse, options=f"--keep-cubin --dump-dir={dump}"
+        ).artifacts.CUBIN
+    assert kernel_resources(cubin)["stack_bytes"] == 0
+    try:
+        text = sass(cubin)
+    except RuntimeError as e:  # no nvdisasm
+        pytest.skip(str(e))
+    assert "LDG.E.128" in text and "STG.E " in text
+    assert ("LDG.E " in text) == with_dlse  # dLSE's one scalar load per row

@@ -197,3 +197,18 @@ def test_kernel_deterministic_mode(hopper_gpu, version, causal):
             assert torch.equal(a, b)
     for a, b in zip(first, backward(*args, version=version), strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2 * max(1.0, b.abs().max().item()))
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["plain", "dlse"])
+@pytest.mark.parametrize("dv", [64, 72, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_preprocess_kernel_matches_torch(hopper_gpu, dtype, dv, with_dlse):
+    from hopper_fmha.backward import row_delta
+    from hopper_fmha.kernels.bwd_preprocess import row_delta_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(dv)
+    out, dout = (torch.randn(3, 333, 5, dv, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    dlse = torch.randn(3, 5, 333, device="cuda", generator=g) if with_dlse else None
+    delta = torch.full((3, 5, 333), float("nan"), device="cuda")
+    row_delta_kernel(out, dout, dlse, delta)
+    torch.testing.assert_close(delta, row_delta(out, dout, dlse), rtol=1e-5, atol=1e-4)

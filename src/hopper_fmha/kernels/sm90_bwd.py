@@ -408,6 +408,9 @@ def fake_arguments(dtype, head_dim: int, deterministic: bool = False, mha: bool 
 # (a producer warp and two consumer warpgroups per 128 keys). Neither has run on a GPU yet.
 VERSIONS = (1, 2)
 DEFAULT_VERSION = 2
+# D by the preprocess kernel (`bwd_preprocess`, one read of O and dO) rather than by torch (fp32
+# copies of both); not yet run on a GPU either.
+PREPROCESS_KERNEL = True
 
 
 def compile_bwd(
@@ -458,7 +461,8 @@ def backward(
     exact), for the upstream gradients dout and, where the caller used the LSE, dlse (b, h, s_q);
     d = 64 or 128, fp16/bf16, BSHD, GQA/MQA. Not yet run on a GPU.
 
-    D = rowsum(dout * out) - dlse and the zeroed fp32 dQ accumulator are torch operations here;
+    D = rowsum(dout * out) - dlse comes from `bwd_preprocess` (PREPROCESS_KERNEL; else from torch,
+    `backward.row_delta`), the zeroed fp32 dQ accumulator from torch;
     the kernel writes per-q-head fp32 dK, dV that a GQA group's sum reduces to its kv head, or,
     with MHA, dK and dV in the inputs' type. Batch and heads past CUDA's 65535 grid limit launch
     in chunks (whole GQA groups)."""
@@ -481,7 +485,14 @@ def backward(
     q, k, v, dout = (
         t if t.stride(-1) == 1 and t.is_contiguous() else t.contiguous() for t in (q, k, v, dout)
     )
-    delta = row_delta(out, dout, dlse)
+    if PREPROCESS_KERNEL:
+        from .bwd_preprocess import row_delta_kernel
+
+        out = out if out.is_contiguous() else out.contiguous()
+        delta = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
+        row_delta_kernel(out, dout, None if dlse is None else dlse.float(), delta)
+    else:
+        delta = row_delta(out, dout, dlse)
     lse = lse.contiguous()
     dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
     group = heads // kv_heads
