@@ -1,0 +1,144 @@
+"""The backward kernels' host side (`kernels.sm90_bwd.backward`) on CPU: the compiled kernels are
+replaced by recording stand-ins that check each launch against the kernel's `__call__` (argument
+count, dtypes, shapes, the views of a chunked launch) and compute their part densely, so the host's
+allocation, GQA reduction, MHA shortcut and chunking past the 65535 grid limit are checked against
+torch's autograd of the reference without a GPU (the kernels: tests/test_gpu_backward.py)."""
+
+import inspect
+
+import pytest
+import torch
+
+from hopper_fmha.reference import reference
+
+pytestmark = pytest.mark.cpu
+
+sm90_bwd = pytest.importorskip("hopper_fmha.kernels.sm90_bwd")  # needs the CuTe DSL
+from hopper_fmha.kernels import bwd_preprocess  # noqa: E402
+from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
+
+
+def dense_kernel(launches):
+    """A stand-in for a compiled backward kernel: the same 12 arguments, its part of the work
+    done densely in float64 (P from the LSE, dS with the given D), written where the kernel writes."""
+
+    def run(q, k, v, dout, lse, delta, dq_acc, dk, dv, sem, scale, group):
+        launches.append(dict(q=q, dk=dk, sem=sem, group=group))
+        kk, vv = (t.double().repeat_interleave(group, dim=2) for t in (k, v))
+        s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
+        p = torch.exp(s - lse.double()[..., None])
+        dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
+        ds = p * (dp - delta.double()[..., None])
+        dq_acc += (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale).float()
+        dk.copy_(torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale)
+        dv.copy_(torch.einsum("bhqk,bqhd->bkhd", p, dout.double()))
+
+    return run
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    launches = []
+    monkeypatch.setattr(sm90_bwd, "_compiled", {})
+    keys = []
+
+    def compile_bwd(*key):
+        keys.append(key)
+        return dense_kernel(launches)
+
+    monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
+    monkeypatch.setattr(bwd_preprocess, "_compiled", {})
+
+    def compile_preprocess(dtype_name, dv, with_dlse):
+        def run(out, dout, dlse, delta):
+            assert (dlse is not None) == with_dlse and delta.dtype == torch.float32
+            d = (out.double() * dout.double()).sum(-1).transpose(1, 2)
+            delta.copy_(d - dlse if dlse is not None else d)
+
+        return run
+
+    monkeypatch.setattr(bwd_preprocess, "compile_preprocess", compile_preprocess)
+    return launches, keys
+
+
+def inputs(batch=2, sq=9, sk=11, heads=4, kv_heads=2, d=64, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, sq, heads, d, generator=g).to(dtype)
+    k, v = (torch.randn(batch, sk, kv_heads, d, generator=g).to(dtype) for _ in range(2))
+    out, lse = reference(q, k, v)
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    return q, k, v, out.to(dtype), dout, lse
+
+
+def reference_grads(q, k, v, dout):
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out, _ = reference(*leaves, dtype=torch.float64)
+    return torch.autograd.grad(out, leaves, dout.double())
+
+
+def test_launch_matches_the_kernel_signature(kernels):
+    launches, keys = kernels
+    q, k, v, out, dout, lse = inputs()
+    sm90_bwd.backward(q, k, v, out, dout, lse, 0.125, False)
+    params = inspect.signature(BwdWsSm90.__call__).parameters
+    assert len(params) - 2 == 12  # self and the stream (TVM-FFI's current one) are not passed
+    assert len(inspect.signature(sm90_bwd.BwdSm90.__call__).parameters) == len(params)
+    (launch,) = launches
+    assert launch["group"] == 2 and launch["sem"] is None
+    assert keys == [("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False)]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_gradients_and_their_types(kernels, kv_heads):
+    launches, keys = kernels
+    q, k, v, out, dout, lse = inputs(kv_heads=kv_heads)
+    dq, dk, dv = sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False)
+    mha = kv_heads == 4
+    # MHA: the kernel writes dK, dV in the inputs' type; GQA: fp32 per q head, summed here.
+    assert launches[-1]["dk"].dtype == (torch.bfloat16 if mha else torch.float32)
+    assert keys[-1][-1] is mha
+    for ours, ref in zip((dq, dk, dv), reference_grads(q, k, v, dout), strict=True):
+        assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_deterministic_gets_zeroed_semaphores(kernels):
+    launches, keys = kernels
+    q, k, v, out, dout, lse = inputs(sq=130)
+    sm90_bwd.backward(q, k, v, out, dout, lse, 0.125, True, deterministic=True)
+    sem = launches[-1]["sem"]
+    assert sem.dtype == torch.int32 and sem.shape == (2, 4, 3) and not sem.any()  # ceil(130 / 64) blocks
+    assert keys[-1][2:4] == (True, True)
+
+
+@pytest.mark.parametrize("limit", [3, 4])
+def test_launches_in_chunks_past_the_grid_limit(kernels, monkeypatch, limit):
+    # With a limit of 3 (4): batch 7 in chunks of 3; heads 6 in whole GQA groups of 2 (chunks of
+    # 2, the largest multiple of 2 <= 3; of 4 with a limit of 4).
+    monkeypatch.setattr(sm90_bwd, "GRID_YZ_MAX", limit)
+    launches, _ = kernels
+    q, k, v, out, dout, lse = inputs(batch=7, heads=6, kv_heads=3)
+    dq, dk, dv = sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False)
+    step = limit - limit % 2
+    assert all(l["q"].shape[0] <= limit and l["q"].shape[2] <= step for l in launches)
+    assert len(launches) == -(-7 // limit) * -(-6 // step)
+    for ours, ref in zip((dq, dk, dv), reference_grads(q, k, v, dout), strict=True):
+        torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_lse_gradient_enters_d(kernels):
+    q, k, v, out, dout, lse = inputs()
+    dlse = torch.randn(lse.shape)
+    with_dlse = sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False, dlse=dlse)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, l = reference(*leaves, dtype=torch.float64)
+    ref = torch.autograd.grad((o * dout.double()).sum() + (l * dlse.double()).sum(), leaves)
+    for ours, r in zip(with_dlse, ref, strict=True):
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+
+
+def test_no_keys_or_no_queries_launch_nothing(kernels):
+    launches, _ = kernels
+    q, k, v, out, dout, lse = inputs(sk=0)
+    dq, dk, dv = sm90_bwd.backward(q, k, v, out, dout, lse, 0.125, False)
+    assert not launches and dk.shape == k.shape and not dq.any()
