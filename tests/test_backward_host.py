@@ -30,8 +30,15 @@ def dense_kernel(launches):
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
         ds = p * (dp - delta.double()[..., None])
         dq_acc += (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale).float()
-        dk.copy_(torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale)
-        dv.copy_(torch.einsum("bhqk,bqhd->bkhd", p, dout.double()))
+        dk_heads = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
+        dv_heads = torch.einsum("bhqk,bqhd->bkhd", p, dout.double())
+        if dk.shape[2] == q.shape[2]:  # per q head (or MHA): stored
+            dk.copy_(dk_heads)
+            dv.copy_(dv_heads)
+        else:  # per kv head (dkv_atomic): each q head of a group added
+            b, s_k, _, d = dk_heads.shape
+            dk += dk_heads.view(b, s_k, -1, group, d).sum(3).float()
+            dv += dv_heads.view(b, s_k, -1, group, d).sum(3).float()
 
     return run
 
@@ -85,18 +92,27 @@ def test_launch_matches_the_kernel_signature(kernels):
     assert len(inspect.signature(sm90_bwd.BwdSm90.__call__).parameters) == len(params)
     (launch,) = launches
     assert launch["group"] == 2 and launch["sem"] is None
-    assert keys == [("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False)]
+    # GQA, not deterministic, v2: dK, dV summed per kv head in the kernel (atomic).
+    assert keys == [("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False, True)]
+    assert launch["dk"].shape[2] == 2 and launch["dk"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_gradients_and_their_types(kernels, kv_heads):
+def test_gradients_and_their_types(kernels, kv_heads, deterministic, version):
     launches, keys = kernels
     q, k, v, out, dout, lse = inputs(kv_heads=kv_heads)
-    dq, dk, dv = sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False)
+    dq, dk, dv = sm90_bwd.backward(
+        q, k, v, out, dout, lse, 64**-0.5, False, deterministic=deterministic, version=version
+    )
     mha = kv_heads == 4
-    # MHA: the kernel writes dK, dV in the inputs' type; GQA: fp32 per q head, summed here.
+    atomic = version == 2 and not mha and not deterministic
+    # MHA: the kernel writes dK, dV in the inputs' type; GQA: fp32, per kv head (v2's atomic
+    # sums) or per q head (v1, deterministic), summed here.
     assert launches[-1]["dk"].dtype == (torch.bfloat16 if mha else torch.float32)
-    assert keys[-1][-1] is mha
+    assert launches[-1]["dk"].shape[2] == (kv_heads if atomic else 4)
+    assert keys[-1][-2:] == (mha, atomic)
     for ours, ref in zip((dq, dk, dv), reference_grads(q, k, v, dout), strict=True):
         assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)

@@ -84,3 +84,33 @@ def test_preprocess_compiles(dtype, head_dim_v, with_dlse):
         pytest.skip(str(e))
     assert "LDG.E.128" in text and "STG.E " in text
     assert ("LDG.E " in text) == with_dlse  # dLSE's one scalar load per row
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_sums_dk_dv_by_vector_atomics(head_dim):
+    # v2 with GQA (not deterministic): dK, dV added into per-kv-head fp32 sums, two columns per
+    # red.global.add.v2.f32, beside dQ's; no stores of them.
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    reds = {}
+    for atomic in (False, True):
+        with tempfile.TemporaryDirectory() as dump:
+            cubin = compile_bwd(
+                "bfloat16",
+                head_dim,
+                False,
+                False,
+                2,
+                False,
+                atomic,
+                options=f"--keep-cubin --dump-dir={dump}",
+            ).artifacts.CUBIN
+        assert kernel_resources(cubin)["stack_bytes"] == 0
+        try:
+            text = sass(cubin)
+        except RuntimeError as e:  # no nvdisasm
+            pytest.skip(str(e))
+        reds[atomic] = text.count("REDG.E.ADD.F32x2")
+    # Per thread: dQ's 64 x d/2 block over 128 threads, pairs (= d / 8); dK and dV's 64 x d rows
+    # over 128 threads of a warpgroup, pairs (2 * d / 4).
+    assert reds[False] == head_dim // 8 and reds[True] == head_dim // 8 + head_dim // 2

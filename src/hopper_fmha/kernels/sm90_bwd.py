@@ -373,11 +373,14 @@ class BwdSm90:
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 
 
-def fake_arguments(dtype, head_dim: int, deterministic: bool = False, mha: bool = False):
+def fake_arguments(
+    dtype, head_dim: int, deterministic: bool = False, mha: bool = False, dkv_atomic: bool = False
+):
     """Compile-time stand-ins for `BwdSm90.__call__`'s arguments: sizes symbolic, 16-bit and fp32
     tensors with TMA-ready strides (multiples of 8 elements, 16-byte aligned), LSE and D's last
     mode contiguous, the semaphores (deterministic mode) contiguous; the stream TVM-FFI's current one.
-    dK, dV: fp32 per q head, or (mha) in the inputs' type, the gradients themselves."""
+    dK, dV: fp32 per q head, or (mha) in the inputs' type, the gradients themselves, or
+    (dkv_atomic) fp32 per kv head."""
     b, sq, sk, h, hkv, nm = (cute.sym_int() for _ in range(6))
 
     def bshd(seqlen, heads, elem):
@@ -394,7 +397,8 @@ def fake_arguments(dtype, head_dim: int, deterministic: bool = False, mha: bool 
     q, do = bshd(sq, h, dtype), bshd(sq, h, dtype)
     k, v = bshd(sk, hkv, dtype), bshd(sk, hkv, dtype)
     dkv = dtype if mha else Float32
-    dq, dk, dv = bshd(sq, h, Float32), bshd(sk, h, dkv), bshd(sk, h, dkv)
+    dkv_heads = hkv if dkv_atomic else h
+    dq, dk, dv = bshd(sq, h, Float32), bshd(sk, dkv_heads, dkv), bshd(sk, dkv_heads, dkv)
     sem = None
     if deterministic:
         sem = cute.runtime.make_fake_tensor(
@@ -420,6 +424,7 @@ def compile_bwd(
     deterministic: bool = False,
     version: int = DEFAULT_VERSION,
     mha: bool = False,
+    dkv_atomic: bool = False,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
@@ -429,10 +434,13 @@ def compile_bwd(
     if version == 2:
         from .sm90_bwd_ws import BwdWsSm90
 
-        kernel = BwdWsSm90(dtype, head_dim, causal, deterministic)
+        kernel = BwdWsSm90(dtype, head_dim, causal, deterministic, dkv_atomic)
     else:
+        assert not dkv_atomic, "version 1 writes dK, dV per q head"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic)
-    return cute.compile(kernel, *fake_arguments(dtype, head_dim, deterministic, mha), options=opts)
+    return cute.compile(
+        kernel, *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic), options=opts
+    )
 
 
 _compiled: dict = {}
@@ -497,14 +505,19 @@ def backward(
     dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
-    # Every key row is written by the CTA that owns it (zeros where no query sees it).
-    dk = torch.empty(batch, seqlen_k, heads, d, device=q.device, dtype=q.dtype if mha else torch.float32)
-    dv = torch.empty_like(dk)
+    version = DEFAULT_VERSION if version is None else version
+    # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;
+    # otherwise per q head, summed below. Each key row is written by the CTA that owns it.
+    atomic = version == 2 and not mha and not deterministic
+    if atomic:
+        dk = torch.zeros(batch, seqlen_k, kv_heads, d, device=q.device, dtype=torch.float32)
+    else:
+        dk = torch.empty(batch, seqlen_k, heads, d, device=q.device, dtype=q.dtype if mha else torch.float32)
+    dv = torch.empty_like(dk) if not atomic else torch.zeros_like(dk)
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // TILE), device=q.device, dtype=torch.int32)
-    version = DEFAULT_VERSION if version is None else version
-    key = (dtype_name, d, bool(causal), bool(deterministic), version, mha)
+    key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -513,10 +526,11 @@ def backward(
         for b0, b1 in _chunks(batch, GRID_YZ_MAX):
             for h0, h1 in _chunks(heads, head_step):
                 kv = slice(h0 // group, h1 // group)
+                dkv = kv if atomic else slice(h0, h1)  # dK, dV's heads: kv heads or q heads
                 fn(
                     q[b0:b1, :, h0:h1], k[b0:b1, :, kv], v[b0:b1, :, kv], dout[b0:b1, :, h0:h1],
                     lse[b0:b1, h0:h1], delta[b0:b1, h0:h1], dq_acc[b0:b1, :, h0:h1],
-                    dk[b0:b1, :, h0:h1], dv[b0:b1, :, h0:h1],
+                    dk[b0:b1, :, dkv], dv[b0:b1, :, dkv],
                     None if sem is None else sem[b0:b1, h0:h1], softmax_scale, group,
                 )  # fmt: skip
     else:
@@ -524,6 +538,8 @@ def backward(
         dv.zero_()
     if mha:
         return dq_acc.to(q.dtype), dk, dv
+    if atomic:
+        return dq_acc.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
     dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
     dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
     return dq_acc.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)

@@ -24,6 +24,10 @@ block m + 1's barrier, the other has finished block m (its dQ GEMM read sdS[m % 
 block m + 2 may overwrite that buffer. Deterministic mode: `sm90_bwd`'s semaphores with 128-key
 blocks (one turn per CTA, both warpgroups' halves of dQ inside it).
 
+The epilogue writes dK * scale and dV per q head (MHA: in the inputs' type), or, with GQA and not
+deterministic (`dkv_atomic`), adds them into per-kv-head fp32 sums (red.global.add.v2.f32), so
+the host casts instead of summing a group's heads.
+
 Arguments and host side: as `sm90_bwd.BwdSm90` (the same `backward` drives both; the
 semaphores count 64-row query blocks as there).
 """
@@ -67,12 +71,19 @@ class BwdWsSm90:
     """Compile-time configuration of the warp-specialized backward kernel; `__call__` launches it
     with `sm90_bwd.BwdSm90.__call__`'s arguments."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool = False):
+    def __init__(
+        self, dtype, head_dim: int, causal: bool, deterministic: bool = False, dkv_atomic: bool = False
+    ):
+        """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
+        group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
+        group's additions varies: not with deterministic); else they are written per q head."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
+        assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         self.deterministic = deterministic
+        self.dkv_atomic = dkv_atomic
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -238,8 +249,8 @@ class BwdWsSm90:
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
             self.consumer(
                 tidx, sQ, sdO, sK, sV, sdS, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv, tiled_mma_dq,
-                mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, batch, m_min, num_m,
-                num_n,
+                mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, head // qhead_per_kvhead,
+                batch, m_min, num_m, num_n,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer
@@ -294,7 +305,8 @@ class BwdWsSm90:
     @cute.jit
     def consumer(
         self, tidx, sQ, sdO, sK, sV, sdS, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv, tiled_mma_dq,
-        mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, batch, m_min, num_m, num_n,
+        mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, head_kv, batch, m_min, num_m,
+        num_n,
     ):  # fmt: skip
         """Both consumer warpgroups (tidx 0..255): the query blocks [m_min, num_m), then dK, dV."""
         d = self.head_dim
@@ -403,7 +415,8 @@ class BwdWsSm90:
             if const_expr(self.deterministic):
                 self.pass_turn(mSem, m_block, head, batch, tidx)
 
-        self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, head, batch, seqlen_k)
+        out_head = head_kv if const_expr(self.dkv_atomic) else head
+        self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen_k)
 
     @cute.jit
     def probabilities(
@@ -487,16 +500,34 @@ class BwdWsSm90:
 
     @cute.jit
     def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen_k):
-        """dK * scale and dV of this CTA's keys in mdK's type (fp32 per q head with GQA, the inputs'
-        type with MHA), rows inside the sequence (this q head's)."""
+        """dK * scale and dV of this CTA's keys, rows inside the sequence: stored in mdK's type
+        (fp32 per q head with GQA, the inputs' type with MHA) at q head `head`, or (dkv_atomic)
+        added into kv head `head`'s fp32 sums."""
         cK = thr_kv.partition_C(cute.make_identity_tensor((TILE_N, self.head_dim)))
         cK_mn = cute.make_tensor(cK.iterator, acc_mn_layout(cK.layout))
         dK_mn = cute.make_tensor(acc_dK.iterator, acc_mn_layout(acc_dK.layout))
         dV_mn = cute.make_tensor(acc_dV.iterator, acc_mn_layout(acc_dV.layout))
+        gdK, gdV = mdK[None, None, head, batch], mdV[None, None, head, batch]
+        pair = ir.VectorType.get([2], ir.F32Type.get())
         for r in cutlass.range_constexpr(cute.size(dK_mn, mode=[0])):
             key = n0 + cK_mn[r, 0][0]
             if key < seqlen_k:
-                for c in cutlass.range_constexpr(cute.size(dK_mn, mode=[1])):
-                    col = cK_mn[r, c][1]
-                    mdK[key, col, head, batch] = (dK_mn[r, c] * scale).to(mdK.element_type)
-                    mdV[key, col, head, batch] = dV_mn[r, c].to(mdV.element_type)
+                if const_expr(self.dkv_atomic):  # a GQA group's sum, by column pairs
+                    for c in cutlass.range_constexpr(0, cute.size(dK_mn, mode=[1]), 2):
+                        offset = cute.crd2idx((key, cK_mn[r, c][1]), gdK.layout)
+                        k_lo, k_hi = (dK_mn[r, c + i] * scale for i in range(2))
+                        cute.arch.atomic_add(
+                            gdK.iterator + offset,
+                            vector.from_elements(pair, [k_lo.ir_value(), k_hi.ir_value()]),
+                        )
+                        offset = cute.crd2idx((key, cK_mn[r, c][1]), gdV.layout)
+                        v_lo, v_hi = (dV_mn[r, c + i] for i in range(2))
+                        cute.arch.atomic_add(
+                            gdV.iterator + offset,
+                            vector.from_elements(pair, [v_lo.ir_value(), v_hi.ir_value()]),
+                        )
+                else:
+                    for c in cutlass.range_constexpr(cute.size(dK_mn, mode=[1])):
+                        col = cK_mn[r, c][1]
+                        gdK[key, col] = (dK_mn[r, c] * scale).to(mdK.element_type)
+                        gdV[key, col] = dV_mn[r, c].to(mdV.element_type)
