@@ -353,6 +353,8 @@ class BwdWsSm90:
         for m_block in cutlass.range(m_min, num_m, unroll=1):
             m0 = m_block * TILE_M
             buf = (m_block - m_min) % 2
+            # The block's LSEs, loaded before the GEMMs are waited for (their latency hidden).
+            lse_log2 = self.load_lse(tScS, mLSE, m0, head, batch, seqlen_q)
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
             acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
             pipe_q.consumer_wait(q_state)
@@ -368,7 +370,7 @@ class BwdWsSm90:
                 past = cutlass.max(past, n0 + TILE_N - 1 - (m0 + seqlen_k - seqlen_q))
             masked = past > 0
             warpgroup.wait_group(1)  # S^T done; dP^T may still run
-            self.probabilities(acc_S, acc_dP, tScS, mLSE, mD, m0, n0, head, batch, seqlen_q, seqlen_k,
+            self.probabilities(acc_S, acc_dP, tScS, lse_log2, mD, m0, n0, head, batch, seqlen_q, seqlen_k,
                                scale_log2, masked)  # fmt: skip
             rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
             convert(acc_S, rP)
@@ -377,8 +379,10 @@ class BwdWsSm90:
             # dS^T to this block's buffer; both warpgroups' rows before either reads it for dQ.
             cute.copy(smem_copy_dS, smem_copy_dS.retile(rdS), tdSsdS[None, None, None, buf])
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=BARRIER_DS, number_of_threads=NUM_MMA_THREADS)
 
+            # Three commit groups, in this order: dV (needs only this warpgroup's P), then, once
+            # both warpgroups' dS^T are in sdS, dQ, then dK. wait_group(1) leaves dK running while
+            # dQ's atomics go out.
             tVrP = cute.make_tensor(rP.iterator, acc_to_operand_a_layout(rP.layout))
             tKrdS = cute.make_tensor(rdS.iterator, acc_to_operand_a_layout(rdS.layout))
             gemm(
@@ -389,20 +393,19 @@ class BwdWsSm90:
                 zero_init=False,
                 wg_wait=-1,
             )
+            cute.arch.barrier(barrier_id=BARRIER_DS, number_of_threads=NUM_MMA_THREADS)
+            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
+            gemm(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buf], tQrKt, zero_init=True, wg_wait=-1)
             gemm(
                 tiled_mma_kv,
                 acc_dK,
                 tKrdS,
                 tKrQt[None, None, None, q_state.index],
                 zero_init=False,
-                wg_wait=-1,
+                wg_wait=1,
             )
-            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
-            gemm(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buf], tQrKt, zero_init=True, wg_wait=0)
-            # Every GEMM of this block has read Q and dO: their stages go back to the producer.
-            pipe_q.consumer_release(q_state)
+            # dV and dQ done: dO's last reader (dP^T and dV) is done with its stage.
             pipe_do.consumer_release(do_state)
-            q_state.advance()
             do_state.advance()
 
             if const_expr(self.deterministic):
@@ -414,13 +417,31 @@ class BwdWsSm90:
             self.add_dq(acc_dQ, thr_dq, mdQacc, softmax_scale, m0, head, batch, seqlen_q)
             if const_expr(self.deterministic):
                 self.pass_turn(mSem, m_block, head, batch, tidx)
+            warpgroup.wait_group(0)  # dK done: Q's stage goes back to the producer
+            pipe_q.consumer_release(q_state)
+            q_state.advance()
 
         out_head = head_kv if const_expr(self.dkv_atomic) else head
         self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen_k)
 
     @cute.jit
+    def load_lse(self, tScS, mLSE, m0, head, batch, seqlen_q):
+        """LSE * log2 e of this thread's query columns of block m0: +inf for rows past the end
+        and rows without keys (P = 0)."""
+        cols = cute.size(tScS, mode=[1])
+        lse_log2 = cute.make_rmem_tensor((cols,), Float32)
+        for c in cutlass.range_constexpr(cols):
+            q = m0 + tScS[0, c][1]
+            lse_log2[c] = Float32.inf
+            if q < seqlen_q:
+                lse = mLSE[q, head, batch]
+                if lse != -Float32.inf:
+                    lse_log2[c] = lse * LOG2_E
+        return lse_log2
+
+    @cute.jit
     def probabilities(
-        self, acc_S, acc_dP, tScS, mLSE, mD, m0, n0, head, batch, seqlen_q, seqlen_k, scale_log2, masked
+        self, acc_S, acc_dP, tScS, lse_log2, mD, m0, n0, head, batch, seqlen_q, seqlen_k, scale_log2, masked
     ):
         """P^T and dS^T in place of S^T and dP^T (waits for dP^T after P^T): P = exp2(S scale log2 e
         - LSE log2 e), 0 where masked; dS = P (dP - D). Columns are queries, rows keys."""
@@ -428,14 +449,6 @@ class BwdWsSm90:
         acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
         cols = cute.size(acc_S_mn, mode=[1])
         rows = cute.size(acc_S_mn, mode=[0])
-        lse_log2 = cute.make_rmem_tensor((cols,), Float32)
-        for c in cutlass.range_constexpr(cols):
-            q = m0 + tScS[0, c][1]
-            lse_log2[c] = Float32.inf  # rows past the end and rows without keys: P = 0
-            if q < seqlen_q:
-                lse = mLSE[q, head, batch]
-                if lse != -Float32.inf:
-                    lse_log2[c] = lse * LOG2_E
         if masked:
             for c in cutlass.range_constexpr(cols):
                 # Visible: inside the keys, and (causal) key <= q + s_k - s_q, as one limit.
@@ -451,14 +464,18 @@ class BwdWsSm90:
             for c in cutlass.range_constexpr(cols):
                 for r in cutlass.range_constexpr(rows):
                     acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2[c], fastmath=True)
-        warpgroup.wait_group(0)  # dP^T done
+        # D of the columns: loaded while dP^T may still run (not beside the LSE: fewer registers
+        # live across the GEMMs' issue).
+        dsum = cute.make_rmem_tensor((cols,), Float32)
         for c in cutlass.range_constexpr(cols):
             q = m0 + tScS[0, c][1]
-            dsum = Float32(0.0)  # loaded here, not beside the LSE: fewer registers live across the wait
+            dsum[c] = Float32(0.0)
             if q < seqlen_q:
-                dsum = mD[q, head, batch]
+                dsum[c] = mD[q, head, batch]
+        warpgroup.wait_group(0)  # dP^T done
+        for c in cutlass.range_constexpr(cols):
             for r in cutlass.range_constexpr(rows):
-                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum)
+                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum[c])
 
     @cute.jit
     def wait_turn(self, mSem, m_block, head, batch, turn, tidx):
