@@ -103,7 +103,7 @@ def test_backward_preset_grid_and_backends():
     assert [dataclasses.replace(p, dtype="float16") for p in problems[12:]] == list(preset.problems)
     # `hopper-fmha bench --help` lists it, among the choices and in the presets' descriptions.
     text = _bench_help()
-    assert "{backward,decode,host,paper,sweep,tiles,varlen}" in text
+    assert "{backward,decode,features,host,paper,sweep,tiles,varlen}" in text
     assert "\n  backward the paper's problems" in text and "HOPPER_FMHA_BACKWARD=1" in text
 
 

@@ -48,6 +48,12 @@ presets:
           backends hopper-fmha:auto (the bench sets HOPPER_FMHA_BACKWARD=1), fa4, sdpa-cudnn,
           sdpa-flash, all through autograd, eager time only; FLOPs 2.5x / 3.5x the forward's;
           dq, dk, dv checked against the fp32 reference (12 problems)
+  features the forward's score features and head dims, bf16, each after its twin without the
+          feature: sliding window (B1 N32768 d128 H16 causal, then window (4096, 0); FLOPs on the
+          visible pairs), softcap 30 (B4 N4096 d128 H16, causal off/on), d96 and d192/dv128 (B4
+          N4096 H16, causal off/on), learnable sink (B4 N4096 d64 H32 causal); backends
+          hopper-fmha:auto, fa4, sdpa-cudnn (no window/softcap/sink: skipped there); reports
+          ours ÷ FA4, window ÷ causal and softcap ÷ plain (12 problems)
 
 backends (--backends, comma separated): hopper-fmha (every variant), hopper-fmha:<variant>,
   hopper-fmha:<variant>@<M>x<N>, a "+lse" suffix (return_lse=True), sdpa-flash (FA2),

@@ -33,7 +33,8 @@ def _figure(width: float, height: float):
 
 def _x_label(p, panel) -> str:
     """Name a problem by what varies inside its panel: N, and B or heads when those vary too; a
-    varlen problem by its range of lengths; a training problem's pass ("bwd", "fwd+bwd") after."""
+    varlen problem by its range of lengths; a training problem's pass ("bwd", "fwd+bwd") after, and
+    a problem's score features ("window4096/0", "softcap30", "sink") and v's head dim ("dv128")."""
     label = f"{p.seqlen_q}" if p.seqlen_q == p.seqlen_k else f"{p.seqlen_q}/{p.seqlen_k}"
     if p.seqlens is not None:
         label = f"varlen {min(p.seqlens)}-{p.seqlen_q}"
@@ -43,7 +44,15 @@ def _x_label(p, panel) -> str:
         label += f" H{p.heads}/{p.kv_heads}"
     if p.training:
         label += f" {p.passes}"
-    return label
+    if p.head_dim_v is not None:
+        label += f" dv{p.head_dim_v}"
+    return "\n".join([label, *(w.replace(" ", "") for w in p.feature_words())])
+
+
+def _panel_order(p) -> tuple:
+    """Where a problem stands in its panel: by N, batch, pass, then v's head dim and features (a
+    feature problem after its twin without it)."""
+    return (p.seqlen_q, p.seqlen_k, p.batch, list(PASS_FLOPS).index(p.passes), p.dv, p.feature_words())
 
 
 def plot_bars(results: dict, path: Path, dtype: str, mode: str = PRIMARY) -> Path | None:
@@ -65,7 +74,7 @@ def plot_bars(results: dict, path: Path, dtype: str, mode: str = PRIMARY) -> Pat
             ax = axes[r][c]
             panel = sorted(
                 [(p, recs) for p, recs in groups if p.causal == causal and p.head_dim == d],
-                key=lambda x: (x[0].seqlen_q, x[0].seqlen_k, x[0].batch, list(PASS_FLOPS).index(x[0].passes)),
+                key=lambda x: _panel_order(x[0]),
             )
             probs = [p for p, _ in panel]
             for i, (name, label, _) in enumerate(backends):

@@ -47,6 +47,19 @@ backward: the paper's shape (B=4, N=4096, hidden 2048: d64/H32, d128/H16, d256/H
        FA4, cuDNN (SDPA) and FA2 (`sdpa-flash`, PyTorch's FlashAttention-2, the registry's "fa2").
        Timed eagerly only (`runner.TRAINING_NOT_CAPTURED`); dq, dk, dv checked against the fp32
        reference's (`runner.GradChecker`).
+features: the forward's score features and head dims, bf16, kv heads = heads, each feature
+       problem after its twin without the feature (`feature_twin`): (a) sliding window: B=1,
+       N=32768, d128 H16 (hidden 2048), causal, then causal with window_size (4096, 0) (left
+       4096, right 0); FLOPs count the visible (query, key) pairs exactly (`flops.visible_pairs`),
+       the causal twin the simple half (a fraction 1/N apart); (b) softcap: B=4 N=4096 d128 H16,
+       causal off and on, without and with softcap 30; (c) head dims: B=4 N=4096 H16, causal off
+       and on, d96 and d192 with v's head dim 128 (DeepSeek's shape; FLOPs 2·B·H·N²·(d + dv),
+       halved for causal); (d) learnable sink: B=4 N=4096 d64 H32 causal, without and with a
+       sink (`registry.sink_logits`). Backends: ours (`hopper-fmha:auto`), FA4 (the same
+       keywords, `registry.fa4_feature_kwargs`), cuDNN (SDPA: it has no window, softcap or sink,
+       so those cells are skipped, not emulated with a mask; the head dims it may take or refuse).
+       The report's features table gives per problem ours ÷ FA4 (target ≥ 1.0) and ours ÷ ours on
+       the twin (window ÷ causal, softcap ÷ plain, sink ÷ plain: target ≥ 0.9).
 """
 
 from __future__ import annotations
@@ -197,9 +210,39 @@ def backward() -> Preset:
     return Preset("backward", tuple(problems), BACKWARD_BACKENDS)
 
 
+FEATURE_WINDOW = (4096, 0)  # (left, right): each query sees itself and the 4096 keys before it
+FEATURE_WINDOW_SEQLEN = 32768
+FEATURE_SOFTCAP = 30.0
+FEATURE_BACKENDS = ("hopper-fmha:auto", "fa4", "sdpa-cudnn")
+
+
+def feature_twin(p: Problem) -> Problem | None:
+    """The problem a feature problem is compared with: the same without its window, softcap and
+    sink (v's head dim kept); None for a problem without any."""
+    if not p.has_features:
+        return None
+    return dataclasses.replace(p, window_size=(-1, -1), softcap=0.0, sink=False)
+
+
+def features() -> Preset:
+    """The sliding window, softcap, head-dim and sink problems, each feature problem right after
+    its twin (module docstring)."""
+    bf16 = "bfloat16"
+    causal_32k = _problem(1, FEATURE_WINDOW_SEQLEN, 128, True, bf16)
+    problems = [causal_32k, dataclasses.replace(causal_32k, window_size=FEATURE_WINDOW)]
+    for c in (False, True):
+        plain = _problem(4, 4096, 128, c, bf16)
+        problems += [plain, dataclasses.replace(plain, softcap=FEATURE_SOFTCAP)]
+    for d, dv in ((96, None), (192, 128)):
+        problems += [Problem(4, 4096, 4096, 16, 16, d, c, bf16, head_dim_v=dv) for c in (False, True)]
+    plain = _problem(4, 4096, 64, True, bf16)
+    problems += [plain, dataclasses.replace(plain, sink=True)]
+    return Preset("features", tuple(problems), FEATURE_BACKENDS)
+
+
 PRESETS = {
     "paper": paper, "sweep": sweep, "tiles": tiles, "host": host, "varlen": varlen, "decode": decode,
-    "backward": backward,
+    "backward": backward, "features": features,
 }  # fmt: skip
 
 

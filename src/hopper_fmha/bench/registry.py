@@ -45,17 +45,43 @@ call returning (dq, dk, dv). The backends that build no dense forward (`hopper-f
 `copy`) skip them. Our flash_attn_func takes inputs that require grad only where the environment
 variable HOPPER_FMHA_BACKWARD is "1" (its backward is not yet verified on a GPU): `autograd_call`
 sets it before building a call of ours.
+
+Score features (`Problem.window_size`, `softcap`, `sink`, the `features` preset) and v's head dim
+(`Problem.head_dim_v`), dense forward problems only: each backend gets them through its own
+keywords, spelled out in one function per backend so that a renamed keyword is one line to fix.
+Ours and the reference: `feature_kwargs` (window_size=(left, right), softcap=,
+learnable_sink= float32). FA4: `fa4_feature_kwargs` (its cute flash_attn_func's window_size with
+None for a side without limit, softcap=, learnable_sink= in bfloat16, the dtype it asserts);
+where the installed FA4's flash_attn_func lacks one of those keywords the cell is skipped with
+the keyword named (`missing_keywords`), never called without it. SDPA (cuDNN and the others)
+has no window, softcap or sink: such cells are skipped (`SDPA_NO_FEATURES`), not emulated with
+a dense mask, which would time another computation; a v head dim of its own (d 192, dv 128) is
+passed as is, and SDPA takes or refuses it (reported as skipped with its reason). FA3 gets no
+feature keywords in this bench and skips them. The sink's values are the problem's
+(`sink_logits`), the same for every backend and for the check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import math
 import os
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hopper_fmha.bench.flops import BWD, FWD, PASS_FLOPS, attention_flops, pass_flops
+from hopper_fmha.bench.flops import (
+    BWD,
+    FWD,
+    NO_WINDOW,
+    PASS_FLOPS,
+    attention_flops,
+    pass_flops,
+    window_bounds,
+    window_flops,
+)
 
 DTYPES = ("float16", "bfloat16")
 _DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}
@@ -86,7 +112,14 @@ class Problem:
 
     Training (`passes` "bwd" or "fwd+bwd", dense problems only; "fwd", the default, is the
     forward): the backward alone or the forward then the backward, timed through autograd
-    (`autograd_call`); the FLOPs 2.5 or 3.5 times the forward's (`flops.pass_flops`)."""
+    (`autograd_call`); the FLOPs 2.5 or 3.5 times the forward's (`flops.pass_flops`).
+
+    Score features (dense forward problems only): `window_size` (left, right), a sliding window
+    as `hopper_fmha.flash_attn_func`'s ((-1, -1): none; causal sets right = 0), `softcap` (0:
+    off), `sink` (a learnable_sink of shape (heads,), `sink_logits`), and `head_dim_v`, v's
+    head dim where it differs from q's and k's (None: the same; equal to head_dim reads as None).
+    FLOPs: 2·(d + dv) per visible (query, key) pair under a window (`flops.window_flops`),
+    else 2·B·H·Nq·Nk·(d + dv), halved for causal; softcap and sink add none."""
 
     batch: int
     seqlen_q: int
@@ -101,6 +134,10 @@ class Problem:
     cache_seqlens: tuple[int, ...] | None = None
     page_size: int | None = None
     passes: str = FWD
+    window_size: tuple[int, int] = NO_WINDOW
+    softcap: float = 0.0
+    sink: bool = False
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
@@ -127,6 +164,37 @@ class Problem:
             raise ValueError(f"passes must be one of {tuple(PASS_FLOPS)}, got {self.passes!r}")
         if self.training and (self.kvcache or self.seqlens is not None):
             raise ValueError(f"passes={self.passes!r} (a backward) is timed on dense problems only")
+        self._check_features()
+
+    def _check_features(self) -> None:
+        """window_size a pair of ints >= -1 (a JSON list back to a tuple), softcap a finite float
+        >= 0, head_dim_v positive (equal to head_dim: None), all on dense forward problems only."""
+        try:
+            window = tuple(int(side) for side in self.window_size)
+        except (TypeError, ValueError):
+            raise ValueError(f"window_size must be a pair (left, right), got {self.window_size!r}") from None
+        if len(window) != 2 or min(window) < -1:
+            raise ValueError(
+                f"window_size must be a pair (left, right) of ints >= -1, got {self.window_size!r}"
+            )
+        object.__setattr__(self, "window_size", window)
+        softcap = float(self.softcap)
+        if not 0 <= softcap < math.inf:
+            raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {self.softcap!r}")
+        object.__setattr__(self, "softcap", softcap)
+        object.__setattr__(self, "sink", bool(self.sink))
+        if self.head_dim_v is not None:
+            if self.head_dim_v < 1:
+                raise ValueError(f"head_dim_v must be positive, got {self.head_dim_v}")
+            if self.head_dim_v == self.head_dim:  # one problem, one label
+                object.__setattr__(self, "head_dim_v", None)
+        if (self.has_features or self.head_dim_v) and (
+            self.kvcache or self.seqlens is not None or self.training
+        ):
+            raise ValueError(
+                "score features (window_size, softcap, sink) and head_dim_v are timed on dense forward "
+                "problems only"
+            )
 
     def _check_cache(self) -> None:
         if self.seqlens is not None:
@@ -175,6 +243,21 @@ class Problem:
         return cls(*shape, kvcache=True, cache_seqlens=lens, page_size=page_size)
 
     @property
+    def has_features(self) -> bool:
+        """Whether the problem has a score feature: a window, a softcap or a sink."""
+        return self.window_size != NO_WINDOW or bool(self.softcap) or self.sink
+
+    @property
+    def dv(self) -> int:
+        """v's head dim (`head_dim_v`, else head_dim)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    def feature_words(self) -> list[str]:
+        """The score features as short words, e.g. ["window 4096/0", "softcap 30", "sink"]."""
+        words = [f"window {self.window_size[0]}/{self.window_size[1]}"] * (self.window_size != NO_WINDOW)
+        return words + [f"softcap {self.softcap:g}"] * bool(self.softcap) + ["sink"] * self.sink
+
+    @property
     def training(self) -> bool:
         """Whether the problem times a backward (`passes` other than "fwd")."""
         return self.passes != FWD
@@ -189,7 +272,7 @@ class Problem:
         """Bytes of K and V over the keys attended, each read once: decode's bytes, the sum over
         sequences of length · kv_heads · (d + dv) · 2 bytes."""
         keys = sum(self.cache_lengths) if self.kvcache else self._rows()[1]
-        return keys * self.kv_heads * 2 * self.head_dim * 2
+        return keys * self.kv_heads * (self.head_dim + self.dv) * 2
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -206,9 +289,11 @@ class Problem:
             per_key = attention_flops(1, self.heads, self.seqlen_q, 1, self.head_dim)
             return per_key * sum(self.cache_lengths)
         if self.seqlens is None:
-            forward = attention_flops(
-                self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim, self.causal
-            )
+            shape = (self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim)
+            if self.window_size != NO_WINDOW:
+                left, right = window_bounds(self.causal, self.window_size)
+                return window_flops(*shape, left, right, self.head_dim_v)
+            forward = attention_flops(*shape, self.causal, self.head_dim_v)
             return pass_flops(forward, self.passes)
         return sum(attention_flops(1, self.heads, n, n, self.head_dim, self.causal) for n in self.seqlens)
 
@@ -224,15 +309,15 @@ class Problem:
         set holds, the whole capacity of the cache; training: q, k, v, the output, its gradient
         dout, and dq, dk, dv)."""
         q_rows, k_rows = self._rows()
-        per_side = 4 if self.training else 2
-        return 2 * per_side * (q_rows * self.heads * self.head_dim + k_rows * self.kv_heads * self.head_dim)
+        per_side = 2 if self.training else 1  # (q, out) and (k, v); training: their gradients too
+        return 2 * per_side * (q_rows * self.heads + k_rows * self.kv_heads) * (self.head_dim + self.dv)
 
     @property
     def output_bytes(self) -> int:
         """Bytes of the output (what a captured graph keeps alive per call); training: the output
         each input set's call keeps for autograd and the gradients dq, dk, dv it returns."""
         q_rows, k_rows = self._rows()
-        q_side = 2 * q_rows * self.heads * self.head_dim
+        q_side = 2 * q_rows * self.heads * self.dv
         if not self.training:
             return q_side
         return 2 * q_side + 2 * (2 * k_rows * self.kv_heads * self.head_dim)
@@ -249,7 +334,9 @@ class Problem:
         heads = f"H{self.heads}" if self.kv_heads == self.heads else f"H{self.heads}/{self.kv_heads}"
         causal = " causal" if self.causal else ""
         passes = f" {self.passes}" if self.training else ""
-        return f"{seq} {heads} d{self.head_dim} {_DTYPE_SHORT[self.dtype]}{causal}{passes}"
+        dims = f"d{self.head_dim}" + (f" dv{self.head_dim_v}" if self.head_dim_v else "")
+        features = "".join(" " + w.replace(" ", "") for w in self.feature_words())  # "window4096/0"
+        return f"{seq} {heads} {dims} {_DTYPE_SHORT[self.dtype]}{causal}{passes}{features}"
 
     def _decode_label(self) -> str:
         """E.g. "decode B64 L8192 H32/8 d128 bf16 q1 paged64 ragged"."""
@@ -261,10 +348,21 @@ class Problem:
 
     def to_dict(self) -> dict:
         """The fields as JSON takes them; a field at its default (seqlens, the decode fields,
-        passes "fwd") has no key, so forward problems read as before."""
+        passes "fwd", the score features, head_dim_v) has no key, so forward problems read as
+        before."""
         d = asdict(self)
-        if d["passes"] == FWD:
-            del d["passes"]
+        defaults = {
+            "passes": FWD,
+            "window_size": NO_WINDOW,
+            "softcap": 0.0,
+            "sink": False,
+            "head_dim_v": None,
+        }
+        for key, default in defaults.items():
+            if d[key] == default:
+                del d[key]
+        if "window_size" in d:
+            d["window_size"] = list(d["window_size"])
         for key in ("seqlens", "kvcache", "cache_seqlens", "page_size"):
             if d[key] in (None, False):
                 del d[key]
@@ -379,6 +477,80 @@ def decode_mask(p: Problem, device=None):
     return mask
 
 
+# Sink logits near log(seqlen_k): with scores of unit spread (random q, k at the default scale) a
+# row's sum of exp is about 1.65 per visible key, so the sink holds a sizable share of each row's
+# softmax mass at any length, and a call that drops it fails the check.
+SINK_SEED = 0
+
+
+def sink_logits(p: Problem, device=None):
+    """A sink problem's learnable_sink: (heads,) float32, log(seqlen_k) plus one draw from N(0, 1)
+    per head by Python's own generator (the same on every machine), rounded to bfloat16 values,
+    so that FA4 (which takes it in bfloat16) and ours (float32) and the check see the same
+    numbers; None for a problem without a sink."""
+    import torch
+
+    if not p.sink:
+        return None
+    rng = random.Random(SINK_SEED)
+    logits = [math.log(p.seqlen_k) + rng.gauss(0.0, 1.0) for _ in range(p.heads)]
+    return torch.tensor(logits, dtype=torch.bfloat16).to(device=device, dtype=torch.float32)
+
+
+def feature_kwargs(p: Problem, device=None) -> dict:
+    """The score-feature keywords of our flash_attn_func and of `hopper_fmha.reference` (the same
+    names): window_size=(left, right), softcap=, learnable_sink= (float32, `sink_logits`), each
+    only where the problem sets it, so that a plain problem's call is unchanged."""
+    kwargs: dict[str, Any] = {}
+    if p.window_size != NO_WINDOW:
+        kwargs["window_size"] = p.window_size
+    if p.softcap:
+        kwargs["softcap"] = p.softcap
+    if p.sink:
+        kwargs["learnable_sink"] = sink_logits(p, device)
+    return kwargs
+
+
+def fa4_feature_kwargs(p: Problem, device=None) -> dict:
+    """The same for FA4's cute flash_attn_func (as of flash-attn-4 4.0.0b36): window_size=(left,
+    right) with None for a side without limit (its -1 is no such marker), softcap=, and
+    learnable_sink= in bfloat16 (the dtype it asserts). Only where set, as `feature_kwargs`."""
+    kwargs: dict[str, Any] = {}
+    if p.window_size != NO_WINDOW:
+        kwargs["window_size"] = tuple(None if side < 0 else side for side in p.window_size)
+    if p.softcap:
+        kwargs["softcap"] = p.softcap
+    if p.sink:
+        import torch
+
+        kwargs["learnable_sink"] = sink_logits(p, device).to(torch.bfloat16)
+    return kwargs
+
+
+def missing_keywords(fn: Callable, names) -> list[str]:
+    """The names among `names` that `fn` takes by no keyword; none where it takes **kwargs or its
+    signature cannot be read (then the call itself decides)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    if any(x.kind is inspect.Parameter.VAR_KEYWORD for x in params):
+        return []
+    named = {
+        x.name
+        for x in params
+        if x.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return [name for name in names if name not in named]
+
+
+# Why SDPA backends skip problems with score features (module docstring).
+SDPA_NO_FEATURES = (
+    "not supported: SDPA takes no sliding window, softcap or learnable sink (a dense mask would time "
+    "another computation, so the bench does not emulate them)"
+)
+
+
 def _sdpa_backend(attr: str) -> tuple[Builder, Builder, Callable[[], contextlib.AbstractContextManager]]:
     def context():
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -388,6 +560,8 @@ def _sdpa_backend(attr: str) -> tuple[Builder, Builder, Callable[[], contextlib.
     def build(p: Problem, q, k, v):
         import torch.nn.functional as F
 
+        if p.has_features:
+            raise BackendSkip(SDPA_NO_FEATURES)
         if p.causal and p.seqlen_q != p.seqlen_k:
             raise BackendSkip(
                 "SDPA's causal mask is top-left aligned, this package's is bottom-right: "
@@ -424,7 +598,14 @@ def _import_skip(module: str, attr: str):
 
 def _build_fa4(p: Problem, q, k, v):
     fn = _import_skip("flash_attn.cute", "flash_attn_func")
-    return lambda: fn(q, k, v, causal=p.causal)  # returns out or (out, lse) by version
+    kwargs = fa4_feature_kwargs(p, q.device) if p.has_features else {}
+    missing = missing_keywords(fn, kwargs)
+    if missing:
+        raise BackendSkip(
+            f"flash_attn.cute.flash_attn_func (as installed) takes no {', '.join(m + '=' for m in missing)} "
+            "keyword: see registry.fa4_feature_kwargs"
+        )
+    return lambda: fn(q, k, v, causal=p.causal, **kwargs)  # returns out or (out, lse) by version
 
 
 def _build_fa4_varlen(p: Problem, q, k, v, cu_seqlens):
@@ -443,6 +624,8 @@ def _build_fa4_kvcache(p: Problem, q, k_cache, v_cache, cache_seqlens, page_tabl
 
 
 def _build_fa3(p: Problem, q, k, v):
+    if p.has_features:
+        raise BackendSkip("this bench passes no score features (window, softcap, sink) to fa3")
     fn = _import_skip("flash_attn_interface", "flash_attn_func")
     return lambda: fn(q, k, v, causal=p.causal)
 
@@ -464,13 +647,16 @@ def _ours(
     variant: str | None, tile: tuple[int, int] | None, schedule: str | None = None, lse: bool = False
 ) -> Backend:
     def checked(p: Problem, kernel: str) -> None:
-        """The tile table (or the tile) of variant `kernel` fits p's head dim, else a skip."""
+        """The tile table (or the tile) of variant `kernel` fits p's head dims, and the variant
+        has p's score features, else a skip."""
+        if kernel == "paper" and p.has_features:
+            raise BackendSkip("rejected: the paper variant has no window, softcap or sink", status="rejected")
         try:
             from hopper_fmha.config import select_config
         except Exception as e:
             raise BackendSkip(f"hopper_fmha.config not importable ({type(e).__name__}: {e})") from e
         try:
-            select_config(p.head_dim, kernel, tile)
+            select_config(p.head_dim, kernel, tile, p.head_dim_v)
         except ValueError as e:
             raise BackendSkip(f"rejected: {e}", status="rejected") from e
 
@@ -491,7 +677,10 @@ def _ours(
     def build(p: Problem, q, k, v):
         checked(p, "ws" if variant is None else variant)
         fn = _import_skip("hopper_fmha", "flash_attn_func")
-        return scheduled(lambda: fn(q, k, v, causal=p.causal, return_lse=lse, variant=variant, tile=tile))
+        kwargs = feature_kwargs(p, q.device) if p.has_features else {}
+        return scheduled(
+            lambda: fn(q, k, v, causal=p.causal, return_lse=lse, variant=variant, tile=tile, **kwargs)
+        )
 
     def build_varlen(p: Problem, q, k, v, cu_seqlens):
         if variant not in (None, "ws"):

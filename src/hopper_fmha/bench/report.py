@@ -22,6 +22,13 @@ A run with training problems (the `backward` preset: `Problem.passes` "bwd" or "
 "pass" column in the TFLOP/s tables, a summary subset per pass, the training FLOPs and check in
 the method line, and in the details the gradient (dq, dk or dv) whose error is shown. They are
 timed eagerly only, so their ratios use eager time, marked (e).
+
+A run with score features or a v head dim of their own (the `features` preset: `Problem.window_size`,
+`softcap`, `sink`, `head_dim_v`) has a "features" column in the TFLOP/s tables (d shown as d/dv
+where they differ), the FLOP rules in the method line (`FEATURES_NOTE`), and the features table:
+per problem and backend of ours, its rate, FA4's and cuDNN's and ours divided by each, and ours
+on the problem ÷ ours on its twin without the feature (`presets.feature_twin`: window ÷ causal,
+softcap ÷ plain, sink ÷ plain), against `FEATURE_TARGETS`.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hopper_fmha.bench.flops import FWD, PASS_FLOPS, tflops
-from hopper_fmha.bench.presets import decode_twin, dense_twin
+from hopper_fmha.bench.presets import decode_twin, dense_twin, feature_twin
 from hopper_fmha.bench.registry import BEST_PEERS, COPY, FA2, PADDED, REGISTRY, Problem
 
 SCHEMA = "hopper-fmha-bench/1"
@@ -52,6 +59,9 @@ SUBSETS = (
 VARLEN_TARGETS = {"fa4": 1.0, "twin": 0.95}
 # Ours on a decode cell ÷ the best peer on it, and a paged cell ÷ ours on its dense twin.
 DECODE_TARGETS = {"peer": 1.0, "paged": 0.9}
+# Ours on a feature problem ÷ FA4 on it, and ÷ ours on its twin without the feature (window ÷
+# causal, softcap ÷ plain): the features issue's targets.
+FEATURE_TARGETS = {"fa4": 1.0, "twin": 0.9}
 
 
 def steady_text(steady_ms: float) -> str:
@@ -224,8 +234,9 @@ def _ratio_cell(
     return _fmt(r, spec, suffix) + mark + (" ✗" if rec["status"] == "wrong" else "")
 
 
-def _problem_cells(p: Problem, passes: bool = False) -> list[str]:
-    """The problem columns of a TFLOP/s table (`PROBLEM_HEADERS`), then with `passes` its pass."""
+def _problem_cells(p: Problem, passes: bool = False, features: bool = False) -> list[str]:
+    """The problem columns of a TFLOP/s table (`PROBLEM_HEADERS`, d as d/dv where v's differs),
+    then with `passes` its pass, with `features` its score features ("–": none)."""
     n = str(p.seqlen_q) if p.seqlen_q == p.seqlen_k else f"{p.seqlen_q}/{p.seqlen_k}"
     if p.seqlens is not None:
         n = f"varlen {min(p.seqlens)}–{p.seqlen_q}"
@@ -233,16 +244,26 @@ def _problem_cells(p: Problem, passes: bool = False) -> list[str]:
         n = f"{p.seqlen_q}/cache {p.seqlen_k}" + f" paged{p.page_size}" * bool(p.page_size)
         n += " ragged" * bool(p.cache_seqlens)
     h = str(p.heads) if p.heads == p.kv_heads else f"{p.heads}/{p.kv_heads}"
-    return [str(p.batch), n, h, str(p.head_dim), "yes" if p.causal else "no", p.dtype] + [p.passes] * passes
+    d = str(p.head_dim) if p.head_dim_v is None else f"{p.head_dim}/{p.head_dim_v}"
+    cells = [str(p.batch), n, h, d, "yes" if p.causal else "no", p.dtype] + [p.passes] * passes
+    return cells + [", ".join(p.feature_words()) or MISSING] * features
 
 
 PROBLEM_HEADERS = ["B", "N", "H", "d", "causal", "dtype"]
 PASS_HEADER = "pass"  # after PROBLEM_HEADERS where the run has training problems
+FEATURES_HEADER = "features"  # after those where the run has score features or a v head dim
 
 
 def has_training(results: dict) -> bool:
     """Whether the run has a training problem (a backward: `Problem.passes` not "fwd")."""
     return any(r["problem"].get("passes", FWD) != FWD for r in results["records"])
+
+
+def has_features(results: dict) -> bool:
+    """Whether the run has a problem with a score feature or a v head dim of its own (the keys
+    `Problem.to_dict` writes only where set)."""
+    keys = ("window_size", "softcap", "sink", "head_dim_v")
+    return any(key in r["problem"] for r in results["records"] for key in keys)
 
 
 def md_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -265,14 +286,16 @@ def rate_table(results: dict, mode: str) -> str | None:
     ours = [b for b in backends if b[2]]
     has_fa2 = any(reference_records(recs, mode)[0] for _, recs in groups)
     has_best = any(reference_records(recs, mode)[1] for _, recs in groups)
-    passes = has_training(results)
-    headers = PROBLEM_HEADERS + [PASS_HEADER] * passes + [b[1] for b in backends]
+    passes, features = has_training(results), has_features(results)
+    headers = (
+        PROBLEM_HEADERS + [PASS_HEADER] * passes + [FEATURES_HEADER] * features + [b[1] for b in backends]
+    )
     for _, label, _ in ours:
         headers += [f"{label} ÷ FA2"] * has_fa2 + [f"{label} ÷ best peer"] * has_best
     rows = []
     for p, recs in groups:
         fa2, best = reference_records(recs, mode)
-        row = _problem_cells(p, passes) + [_cell(recs.get(name), mode) for name, _, _ in backends]
+        row = _problem_cells(p, passes, features) + [_cell(recs.get(name), mode) for name, _, _ in backends]
         for name, _, _ in ours:
             if has_fa2:
                 row.append(_ratio_cell(recs.get(name), fa2, mode))
@@ -473,6 +496,56 @@ def decode_rows(results: dict, mode: str = PRIMARY) -> list[list[str]]:
     return rows
 
 
+FEATURE_HEADERS = [
+    "problem", "backend", "TFLOP/s", "FA4", f"÷ FA4 (≥ {FEATURE_TARGETS['fa4']})", "cuDNN", "÷ cuDNN",
+    "without the feature", "its TFLOP/s", f"÷ without (≥ {FEATURE_TARGETS['twin']})",
+]  # fmt: skip
+
+
+FEATURES_NOTE = (
+    "- score features: FLOPs under a sliding window count the visible (query, key) pairs exactly, "
+    "2·B·H·(d + dv) per pair (row i sees key j iff i + Nk − Nq − left ≤ j ≤ i + Nk − Nq + right; "
+    "causal sets right = 0); otherwise 2·B·H·Nq·Nk·(d + dv), halved for causal (dv: v's head dim, "
+    "shown as d/dv where it differs); softcap and sink add none. Every backend gets the same window, "
+    "softcap and sink, and the reference applies them. cuDNN (SDPA) has no window, softcap or sink: "
+    "those cells are skipped, not emulated with a mask."
+)
+
+FEATURE_TABLE_NOTE = (
+    "Per problem, ours ÷ FA4 and ÷ cuDNN on it (correct results only), and ours ÷ ours on the same "
+    "problem without its feature, in the same run: the window ÷ the causal problem (TFLOP/s on the "
+    f"visible keys; target ≥ {FEATURE_TARGETS['twin']}), softcap ÷ plain (the softcap's cost; target ≥ "
+    f"{FEATURE_TARGETS['twin']}), sink ÷ plain. Target ÷ FA4 ≥ {FEATURE_TARGETS['fa4']} (head dims 96 "
+    "and 192/128 included)."
+)
+
+
+def feature_rows(results: dict, mode: str = PRIMARY) -> list[list[str]]:
+    """The features table's rows (module docstring): one per problem (of a run with features)
+    and backend of ours that ran on it, dense forward problems only; ratios to correct results
+    only, "–" where the run lacks one."""
+    if not has_features(results):
+        return []
+    groups = dict(by_problem(results))
+    ours = [name for name, _, is_ours in backends_in(results, timed_only=False) if is_ours and name != PADDED]
+    rows = []
+    for p, recs in groups.items():
+        if p.seqlens is not None or p.kvcache or p.training:
+            continue
+        twin = feature_twin(p)
+        twin_recs = groups.get(twin, {}) if twin else {}
+        fa4, cudnn = good_record(recs, "fa4", mode), good_record(recs, "sdpa-cudnn", mode)
+        for name in (n for n in ours if n in recs):
+            rec = recs[name]
+            rows.append([
+                p.label(), name, _cell(rec, mode), _cell(recs.get("fa4"), mode), _ratio_cell(rec, fa4, mode),
+                _cell(recs.get("sdpa-cudnn"), mode), _ratio_cell(rec, cudnn, mode),
+                twin.label() if twin else MISSING, _cell(twin_recs.get(name), mode),
+                _ratio_cell(rec, good_record(twin_recs, name, mode), mode),
+            ])  # fmt: skip
+    return rows
+
+
 def tile_grids(results: dict, mode: str = PRIMARY) -> list[tuple[str, list[str], list[list[str]], list]]:
     """Seed-paper Table 1: per variant, problems x tiles. [(variant, tiles, rows, cells)] where
     cells holds (problem, tile, rate or None, status, eager fallback) for the plots."""
@@ -553,6 +626,8 @@ def _env_lines(results: dict) -> list[str]:
     )
     if has_training(results):
         lines.append(TRAINING_NOTE)
+    if has_features(results):
+        lines.append(FEATURES_NOTE)
     lines.append(
         f"- **{RATIO_RULE[0].upper() + RATIO_RULE[1:]}**: ÷FA2, ÷best peer ({BEST_TEXT}, correct "
         "results only), the summary and the charts use CUDA-graph time, or eager time marked (e) "
@@ -690,6 +765,12 @@ def render_markdown(results: dict) -> str:
     if decode:
         heading = f"## Decode: TB/s of K/V read, ours ÷ best peer, % of copy, ÷ twin ({mode_text(PRIMARY)})"
         parts += ["", heading, "", DECODE_NOTE, "", md_table(DECODE_HEADERS, decode)]
+    features = feature_rows(results)
+    if features:
+        heading = (
+            f"## Features: ours ÷ FA4, ÷ cuDNN, ÷ ours without the feature (TFLOP/s: {mode_text(PRIMARY)})"
+        )
+        parts += ["", heading, "", FEATURE_TABLE_NOTE, "", md_table(FEATURE_HEADERS, features)]
     tables = [(PRIMARY, "TFLOP/s, CUDA-graph replays (kernel time; (e): eager, not captured)")]
     if not has_graph(results):
         tables = [("eager", "TFLOP/s, eager calls (no CUDA-graph timings in this run)")]
@@ -781,6 +862,13 @@ def render_terminal(results: dict) -> str:
     if decode:
         lines += ["", f"decode: TB/s of K/V read ({mode_text(PRIMARY)}); ours ÷ best peer, % of copy, ÷ twin"]
         lines += columns(DECODE_HEADERS, decode)
+    features = feature_rows(results)
+    if features:
+        lines += [
+            "",
+            f"features: TFLOP/s ({mode_text(PRIMARY)}); ours ÷ FA4, ÷ cuDNN, ÷ ours without the feature",
+        ]
+        lines += columns(FEATURE_HEADERS, features)
     return "\n".join(lines)
 
 

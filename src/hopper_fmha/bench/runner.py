@@ -24,6 +24,13 @@ dout for both and for the backend.
 Training problems are timed eagerly only: autograd runs each backward op on the stream its
 forward op ran on, so the backward of a forward run before a CUDA-graph capture would not be on
 the capture stream (`TRAINING_NOT_CAPTURED`).
+
+Problems with score features (a window, softcap or sink) or a v head dim of their own are checked
+the same way, the reference and PyTorch's attention given the same window, softcap, sink
+(`registry.feature_kwargs`) and v. The reference runs in blocks of query rows (at most 2^27
+scores each, `hopper_fmha.reference.MAX_SCORE_ELEMENTS`), as does `lowp_attention`, so the
+features preset's N = 32768 (B 1, H 16: 256 rows a block) is checked in full, like the sweep's
+N = 16384.
 """
 
 from __future__ import annotations
@@ -43,11 +50,13 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+from hopper_fmha.bench.flops import NO_WINDOW, window_bounds
 from hopper_fmha.bench.registry import (
     PADDED_UNCHECKED,
     Backend,
     BackendSkip,
     Problem,
+    feature_kwargs,
     first_output,
     unpad,
 )
@@ -187,7 +196,8 @@ def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
     kv_heads, d) with the int32 (batch, capacity / page_size) `page_table(p, seed)` (None when
     dense), cache_seqlens int32 (batch,) (`Problem.cache_lengths`); one table and one
     cache_seqlens for all sets; or for a training problem (q, k, v, dout), dout random like q
-    (the output's gradient), drawn after k and v."""
+    (the output's gradient), drawn after k and v. v's last dim is `Problem.dv` (a sink is no
+    input: `registry.sink_logits`)."""
     import torch
 
     dtype = getattr(torch, p.dtype)
@@ -210,8 +220,8 @@ def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
     for _ in range(n_sets):
         q = torch.randn(*q_rows, p.heads, p.head_dim, dtype=dtype, device=device, generator=g)
         k, v = (
-            torch.randn(*kv_rows, p.kv_heads, p.head_dim, dtype=dtype, device=device, generator=g)
-            for _ in range(2)
+            torch.randn(*kv_rows, p.kv_heads, d, dtype=dtype, device=device, generator=g)
+            for d in (p.head_dim, p.dv)
         )
         if p.training:
             extra = (torch.randn(*q_rows, p.heads, p.head_dim, dtype=dtype, device=device, generator=g),)
@@ -219,27 +229,49 @@ def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
     return sets
 
 
-def lowp_attention(q, k, v, causal: bool, max_scores: int = 2**27):
+def lowp_attention(
+    q,
+    k,
+    v,
+    causal: bool,
+    max_scores: int = 2**27,
+    *,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float = 0.0,
+    learnable_sink=None,
+):
     """Attention computed by PyTorch in the inputs' dtype: fp16/bf16 matmuls, softmax in fp32
     rounded back to the input dtype (FlashAttention's test baseline). BSHD, bottom-right causal,
-    GQA; query-row chunks keep at most `max_scores` scores alive. Differentiable (nothing autograd
-    saves is changed in place), for the training problems' check."""
+    GQA, v's head dim its own; the score features of `hopper_fmha.reference` (the same keywords
+    and rules): the window (causal sets right = 0), the softcap applied in fp32 to the scaled
+    scores, the sink (heads,) a logit that joins each row's softmax and nothing else. Query-row
+    chunks keep at most `max_scores` scores alive. Differentiable (nothing autograd saves is
+    changed in place), for the training problems' check."""
     import torch
+
+    from hopper_fmha.reference import visible_keys
 
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    left, right = window_bounds(causal, window_size)
     qt = q.transpose(1, 2)
     kt = k.transpose(1, 2).repeat_interleave(h // hkv, dim=1)
     vt = v.transpose(1, 2).repeat_interleave(h // hkv, dim=1)
-    out = torch.empty_like(qt)
+    out = qt.new_empty((b, h, sq, v.shape[-1]))
     rows = max(1, max_scores // (b * h * sk))
     for i in range(0, sq, rows):
-        s = torch.matmul(qt[:, :, i : i + rows], kt.transpose(-1, -2)) * d**-0.5
-        if causal:
-            r = torch.arange(i, min(i + rows, sq), device=q.device)[:, None] + (sk - sq)
-            s = s.masked_fill(torch.arange(sk, device=q.device)[None, :] > r, float("-inf"))
-        p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
-        out[:, :, i : i + rows] = torch.matmul(p, vt)
+        s = (torch.matmul(qt[:, :, i : i + rows], kt.transpose(-1, -2)) * d**-0.5).float()
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if left >= 0 or right >= 0:
+            query_rows = torch.arange(i, min(i + rows, sq), device=q.device)
+            s = s.masked_fill(~visible_keys(query_rows, sq, sk, left, right), float("-inf"))
+        if learnable_sink is None:
+            p = torch.softmax(s, dim=-1)
+        else:  # the sink as one more column of the softmax, then dropped: it has no value row
+            sink = learnable_sink.float().reshape(1, h, 1, 1).expand(b, h, s.shape[2], 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        out[:, :, i : i + rows] = torch.matmul(p.nan_to_num(0.0).to(q.dtype), vt)
     return out.transpose(1, 2)
 
 
@@ -425,12 +457,16 @@ def _grads(fn: Callable, inputs: tuple, dout, dtype) -> tuple:
 
 
 def _attention_baselines(p: Problem, q, k, v, cu_seqlens=None, *, reference: Callable | None) -> tuple:
-    """(fp32 reference, PyTorch in the input dtype) of a dense or varlen problem, in q's layout."""
+    """(fp32 reference, PyTorch in the input dtype) of a dense or varlen problem, in q's layout,
+    both with the problem's score features (`registry.feature_kwargs`: no keyword where none)."""
     if reference is None:
         from hopper_fmha.reference import reference
+    features = feature_kwargs(p, q.device)
     with _exact_fp32_matmul():
-        ref = _per_sequence(lambda *qkv: first_output(reference(*qkv, causal=p.causal)), q, k, v, cu_seqlens)
-    return ref, _per_sequence(lambda *qkv: lowp_attention(*qkv, p.causal), q, k, v, cu_seqlens)
+        ref = _per_sequence(
+            lambda *qkv: first_output(reference(*qkv, causal=p.causal, **features)), q, k, v, cu_seqlens
+        )
+    return ref, _per_sequence(lambda *qkv: lowp_attention(*qkv, p.causal, **features), q, k, v, cu_seqlens)
 
 
 def _kvcache_baselines(p: Problem, q, k_cache, v_cache, cache_seqlens, page_table) -> tuple:
@@ -466,7 +502,8 @@ def _alive(timer) -> bool:
 def kernel_key(p: Problem, b: Backend) -> tuple:
     """What changes the generated code (not batch or seqlen): one compile per key."""
     kind = (p.seqlens is not None, p.kvcache, p.page_size, p.passes)
-    return (b.name, p.dtype, p.head_dim, p.causal, p.heads // p.kv_heads, *kind)
+    features = (p.dv, p.window_size != NO_WINDOW, bool(p.softcap), p.sink)
+    return (b.name, p.dtype, p.head_dim, p.causal, p.heads // p.kv_heads, *kind, *features)
 
 
 def _profile_compile(fn, timer) -> dict:
@@ -612,8 +649,8 @@ def _prepare(p, entry: _Entry, sets, checker, timer, settings, fail, graph, prof
                     raise CudaContextLost(rec["graph_reason"], rec) from e
         if profile:
             rec["profile"]["launch_us"] = launch_us(fns, timer)
-            if backend.ours and p.seqlens is None and not p.kvcache and not p.training:
-                # the stages are those of flash_attn_func's forward
+            if backend.ours and p.seqlens is None and not p.kvcache and not p.training and not p.has_features:
+                # the stages are those of flash_attn_func's plain forward
                 rec["profile"]["host_stages_us"] = _host_stages(p, sets[0])
 
 
