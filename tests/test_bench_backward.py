@@ -90,7 +90,7 @@ def test_backward_preset_grid_and_backends():
     # The same shapes as the paper preset, each once per pass.
     shapes = {dataclasses.replace(p, passes=FWD) for p in preset.problems}
     assert shapes == set(presets.paper().problems)
-    assert preset.backends == ("hopper-fmha:auto", "fa4", "sdpa-cudnn", "sdpa-flash")
+    assert preset.backends == ("hopper-fmha:auto", "hopper-fmha:auto+det", "fa4", "sdpa-cudnn", "sdpa-flash")
     assert [b.name for b in registry.resolve_backends(preset.backends)] == list(preset.backends)
     assert registry.get_backend("fa2") == [registry.REGISTRY["sdpa-flash"]]  # the registry's FA2
     args = _parser().parse_args(["bench", "--preset", "backward"])
@@ -424,3 +424,24 @@ def test_whole_backward_run_on_cpu(tmp_path, monkeypatch):
     summary = {(r["subset"], r["mode"]): r for r in results["summary"]["rows"]}
     assert summary[("bwd", "eager")]["problems"] == summary[("fwd+bwd", "eager")]["problems"] == 2
     assert summary[("all", "graph")]["eager_fallbacks"] == 4  # no graphs: all eager, counted
+
+
+def test_deterministic_backend_passes_the_keyword(monkeypatch):
+    import hopper_fmha
+
+    seen = []
+
+    def ours(q, k, v, causal=False, return_lse=False, variant=None, tile=None, **kwargs):
+        seen.append(kwargs)
+        return runner.lowp_attention(q, k, v, causal)
+
+    monkeypatch.setattr(hopper_fmha, "flash_attn_func", ours)
+    (det,) = registry.get_backend("hopper-fmha:auto+det")
+    (plain,) = registry.get_backend("hopper-fmha:auto")
+    assert det.name == "hopper-fmha:auto+det" and det.ours
+    sets = runner.make_inputs(SMALL, 1, "cpu", seed=3)[0]
+    det.make(SMALL, *sets)()
+    plain.make(SMALL, *sets)()
+    assert seen == [{"deterministic": True}, {}]
+    (ws_det,) = registry.get_backend("hopper-fmha:ws@128x128+lse+det")
+    assert ws_det.name == "hopper-fmha:ws@128x128+lse+det"

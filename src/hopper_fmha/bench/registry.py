@@ -9,7 +9,8 @@ Names: `hopper-fmha` (auto and every variant), `hopper-fmha:auto` (the default: 
 `hopper_fmha.config.auto_variant` picks per problem), `hopper-fmha:<variant>`,
 `hopper-fmha:<variant>@<M>x<N>` (tile override), `hopper-fmha:ws[@<M>x<N>]/<schedule>` (the ws
 tile order: auto, persistent or single; see `hopper_fmha.kernels.schedule`), a `+lse` suffix
-(calls with return_lse=True: an exact LSE, which some kernels take more time for), `sdpa-flash`
+(calls with return_lse=True: an exact LSE, which some kernels take more time for), a `+det`
+suffix (deterministic=True: the backward's fixed dQ order; the backward preset), `sdpa-flash`
 (FlashAttention-2 in PyTorch),
 `sdpa-efficient` (the CUTLASS memory-efficient kernel, the seed paper's "CUTLASS" baseline),
 `sdpa-cudnn`, `fa4` (FlashAttention-4, CuTe DSL), `fa3` (FlashAttention-3).
@@ -644,7 +645,11 @@ AUTO = "auto"
 
 
 def _ours(
-    variant: str | None, tile: tuple[int, int] | None, schedule: str | None = None, lse: bool = False
+    variant: str | None,
+    tile: tuple[int, int] | None,
+    schedule: str | None = None,
+    lse: bool = False,
+    deterministic: bool = False,
 ) -> Backend:
     def checked(p: Problem, kernel: str) -> None:
         """The tile table (or the tile) of variant `kernel` fits p's head dims, and the variant
@@ -678,6 +683,8 @@ def _ours(
         checked(p, "ws" if variant is None else variant)
         fn = _import_skip("hopper_fmha", "flash_attn_func")
         kwargs = feature_kwargs(p, q.device) if p.has_features else {}
+        if deterministic:
+            kwargs["deterministic"] = True
         return scheduled(
             lambda: fn(q, k, v, causal=p.causal, return_lse=lse, variant=variant, tile=tile, **kwargs)
         )
@@ -703,6 +710,7 @@ def _ours(
     name = f"hopper-fmha:{variant or AUTO}" + (f"@{tile[0]}x{tile[1]}" if tile else "")
     name += f"/{schedule}" if schedule else ""
     name += "+lse" if lse else ""
+    name += "+det" if deterministic else ""
     return Backend(name=name, label=name, build=build, ours=True, varlen=build_varlen, kvcache=build_kvcache)
 
 
@@ -803,6 +811,8 @@ def get_backend(name: str) -> list[Backend]:
         return [_ours(None, None)] + [_ours(v, None) for v in _variants()]
     if name.startswith("hopper-fmha:"):
         spec = name.removeprefix("hopper-fmha:")
+        deterministic = spec.endswith("+det")
+        spec = spec.removesuffix("+det")
         lse = spec.endswith("+lse")
         spec = spec.removesuffix("+lse")
         if lse and "/" in spec:
@@ -810,18 +820,20 @@ def get_backend(name: str) -> list[Backend]:
         spec, _, schedule = spec.partition("/")
         variant, _, tile_text = spec.partition("@")
         if variant == AUTO and not tile_text:
-            return [_ours(None, None, schedule or None, lse)]
+            return [_ours(None, None, schedule or None, lse, deterministic)]
         if variant not in _variants():
             raise ValueError(f"unknown hopper-fmha variant {variant!r} in {name!r}; variants: {_variants()}")
         from hopper_fmha.kernels import SCHEDULES
 
         if schedule and schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} in {name!r}; schedules: {', '.join(SCHEDULES)}")
-        return [_ours(variant, parse_tile(tile_text) if tile_text else None, schedule or None, lse)]
+        tile = parse_tile(tile_text) if tile_text else None
+        return [_ours(variant, tile, schedule or None, lse, deterministic)]
     known = sorted(set(REGISTRY) | set(ALIASES)) + [
         "hopper-fmha",
         "hopper-fmha:<variant>[@MxN][/schedule]",
         "hopper-fmha:<variant>[@MxN]+lse",
+        "hopper-fmha:<variant>[@MxN][+lse]+det",
     ]
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(known)}")
 
