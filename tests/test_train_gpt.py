@@ -13,6 +13,7 @@ import pytest
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("one_torch_thread")]
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_gpt.py"
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 # 2 layers, d_model 64, seqlen 32, vocab 32: about a second of training per 30 steps.
 TINY = [
@@ -42,9 +43,13 @@ def test_sdpa_trains_and_writes_outputs(train_gpt, tmp_path, capsys):
     assert result["runs"]["sdpa"]["tokens_per_s"] > 0
     assert result["ok"] and result["config"]["d_model"] == 64 and result["dtype"] == "fp32"
     assert {"torch", "device", "hopper_fmha", "git_commit"} <= result["environment"].keys()
-    png = (tmp_path / "train_gpt.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) < 60_000
-    assert "PASS" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "PASS" in printed
+    if HAVE_MATPLOTLIB:  # the plot (the bench extra); without it the run says so and passes
+        png = (tmp_path / "train_gpt.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) < 60_000
+    else:
+        assert not (tmp_path / "train_gpt.png").exists() and "no plot: matplotlib" in printed
 
 
 def test_both_with_sdpa_standing_in_for_hopper(train_gpt, tmp_path, monkeypatch):
@@ -58,7 +63,7 @@ def test_both_with_sdpa_standing_in_for_hopper(train_gpt, tmp_path, monkeypatch)
     assert result["gradient_check"]["ok"]
     # fp32 on CPU: the candidate's gradients are the reference's.
     assert result["gradient_check"]["rel_err"]["hopper"] < 1e-5
-    assert (tmp_path / "train_gpt.png").stat().st_size < 60_000
+    assert not HAVE_MATPLOTLIB or (tmp_path / "train_gpt.png").stat().st_size < 60_000
 
 
 def test_hopper_without_a_hopper_gpu_exits_cleanly(train_gpt, capsys):
