@@ -18,13 +18,16 @@ from hopper_fmha.kernels import bwd_preprocess  # noqa: E402
 from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
 
 
-def dense_kernel(launches):
+def dense_kernel(launches, atomic: bool):
     """A stand-in for a compiled backward kernel: the same 12 arguments, its part of the work
     done densely in float64 (P from the LSE, dS with the given D), written where the kernel writes."""
 
     def run(q, k, v, dout, lse, delta, dq_acc, dk, dv, sem, scale, group):
         launches.append(dict(q=q, dk=dk, sem=sem, group=group))
-        kk, vv = (t.double().repeat_interleave(group, dim=2) for t in (k, v))
+        # q head h of the part reads kv head h // group, as the kernel maps them (a part may hold
+        # a slice of one group: all its q heads then read its one kv head).
+        kv_of = torch.arange(q.shape[2]) // group
+        kk, vv = (t.double()[:, :, kv_of] for t in (k, v))
         s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
         p = torch.exp(s - lse.double()[..., None])
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
@@ -32,13 +35,12 @@ def dense_kernel(launches):
         dq_acc += (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale).float()
         dk_heads = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
         dv_heads = torch.einsum("bhqk,bqhd->bkhd", p, dout.double())
-        if dk.shape[2] == q.shape[2]:  # per q head (or MHA): stored
+        if not atomic:  # per q head (or MHA): stored
             dk.copy_(dk_heads)
             dv.copy_(dv_heads)
         else:  # per kv head (dkv_atomic): each q head of a group added
-            b, s_k, _, d = dk_heads.shape
-            dk += dk_heads.view(b, s_k, -1, group, d).sum(3).float()
-            dv += dv_heads.view(b, s_k, -1, group, d).sum(3).float()
+            dk.index_add_(2, kv_of, dk_heads.float())
+            dv.index_add_(2, kv_of, dv_heads.float())
 
     return run
 
@@ -51,7 +53,7 @@ def kernels(monkeypatch):
 
     def compile_bwd(*key):
         keys.append(key)
-        return dense_kernel(launches)
+        return dense_kernel(launches, atomic=key[-1])  # the key ends with dkv_atomic
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
     monkeypatch.setattr(bwd_preprocess, "_compiled", {})
@@ -127,17 +129,20 @@ def test_deterministic_gets_zeroed_semaphores(kernels):
     assert keys[-1][2:4] == (True, True)
 
 
-@pytest.mark.parametrize("limit", [3, 4])
-def test_launches_in_chunks_past_the_grid_limit(kernels, monkeypatch, limit):
-    # With a limit of 3 (4): batch 7 in chunks of 3; heads 6 in whole GQA groups of 2 (chunks of
-    # 2, the largest multiple of 2 <= 3; of 4 with a limit of 4).
+@pytest.mark.parametrize(
+    "heads,kv_heads,limit",
+    [(6, 3, 3), (6, 3, 4), (6, 1, 4), (6, 2, 2)],
+    ids=["groups-of-2-limit-3", "groups-of-2-limit-4", "mqa-group-past-limit", "group-past-limit"],
+)
+def test_launches_in_parts_past_the_grid_limit(kernels, monkeypatch, heads, kv_heads, limit):
+    # Batch 7 and the heads in parts of at most `limit` (the forward's `kernels.grid_spans`): whole
+    # GQA groups, or slices of one group larger than the limit with its kv head.
     monkeypatch.setattr(sm90_bwd, "GRID_YZ_MAX", limit)
     launches, _ = kernels
-    q, k, v, out, dout, lse = inputs(batch=7, heads=6, kv_heads=3)
+    q, k, v, out, dout, lse = inputs(batch=7, heads=heads, kv_heads=kv_heads)
     dq, dk, dv = sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False)
-    step = limit - limit % 2
-    assert all(l["q"].shape[0] <= limit and l["q"].shape[2] <= step for l in launches)
-    assert len(launches) == -(-7 // limit) * -(-6 // step)
+    assert all(l["q"].shape[0] <= limit and l["q"].shape[2] <= limit for l in launches)
+    assert len(launches) > -(-7 // limit)  # the heads were split too
     for ours, ref in zip((dq, dk, dv), reference_grads(q, k, v, dout), strict=True):
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
 

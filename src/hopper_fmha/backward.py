@@ -37,10 +37,11 @@ def enabled() -> bool:
 
 
 def grad_needed(q, k, v, sink=None) -> bool:
-    """In grad mode, with an input that requires grad."""
-    if not torch.is_grad_enabled():
-        return False
-    return q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
+    """In grad mode, with an input that requires grad. On every call's host path: the attribute
+    tests first (inference inputs require no grad), the grad-mode query only when one does."""
+    return (
+        q.requires_grad or k.requires_grad or v.requires_grad or (sink is not None and sink.requires_grad)
+    ) and torch.is_grad_enabled()
 
 
 def check_supported(head_dim: int, head_dim_v: int, features, deterministic) -> None:

@@ -280,11 +280,11 @@ def schedule_varlen(q, k, causal: bool, max_seqlen_k: int, mode: str | None = No
 GRID_YZ_MAX = 65535
 
 
-def grid_parts(q, k, v, out, lse, limit: int = GRID_YZ_MAX):
-    """(q, k, v, out, lse) views of at most `limit` batches and `limit` q heads each, covering every
-    (batch, head) once. A part holds whole GQA groups, or, where a group is larger than `limit`,
-    a slice of one group with its one kv head (the kernel then maps all its q heads to it)."""
-    batch, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
+def grid_spans(batch: int, heads: int, kv_heads: int, limit: int = GRID_YZ_MAX):
+    """(batch slice, q-head slice, kv-head slice) parts of at most `limit` batches and `limit` q
+    heads each, covering every (batch, head) once. A part holds whole GQA groups, or, where a
+    group is larger than `limit`, a slice of one group with its one kv head (a kernel given the
+    group size then maps all the part's q heads to it: local head // group = 0)."""
     group = heads // kv_heads
     if group <= limit:
         step = limit // group * group
@@ -298,8 +298,13 @@ def grid_parts(q, k, v, out, lse, limit: int = GRID_YZ_MAX):
     for b0 in range(0, batch, limit):
         b = slice(b0, min(b0 + limit, batch))
         for h0, h1 in spans:
-            kv = slice(h0 // group, (h1 - 1) // group + 1)
-            yield q[b, :, h0:h1], k[b, :, kv], v[b, :, kv], out[b, :, h0:h1], lse[b, h0:h1]
+            yield b, slice(h0, h1), slice(h0 // group, (h1 - 1) // group + 1)
+
+
+def grid_parts(q, k, v, out, lse, limit: int = GRID_YZ_MAX):
+    """(q, k, v, out, lse) views of the parts of `grid_spans`."""
+    for b, h, kv in grid_spans(q.shape[0], q.shape[2], k.shape[2], limit):
+        yield q[b, :, h], k[b, :, kv], v[b, :, kv], out[b, :, h], lse[b, h]
 
 
 def prepared_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg, *, exact_lse: bool = True):

@@ -45,6 +45,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
+from . import GRID_YZ_MAX as _GRID_YZ_MAX
 from .sm90_common import (
     LOG2_E,
     acc_mn_layout,
@@ -60,7 +61,8 @@ from .sm90_common import (
 NUM_THREADS = 128
 TILE = 64  # keys per CTA and queries per step
 HEAD_DIMS = (64, 128)
-GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y and .z (heads, batch): the host launches in chunks
+# CUDA's limit on gridDim.y and .z (heads, batch): the host launches in parts past it.
+GRID_YZ_MAX = _GRID_YZ_MAX
 
 
 class BwdSm90:
@@ -319,6 +321,11 @@ class BwdSm90:
 
         self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, head, batch, seqlen_k)
 
+    def sync_turn(self):
+        """The barrier of `wait_turn` and `pass_turn` over the threads that add dQ (all of them
+        here; `sm90_bwd_ws` syncs its consumer warpgroups only)."""
+        cute.arch.sync_threads()
+
     @cute.jit
     def wait_turn(self, mSem, m_block, head, batch, turn, tidx):
         """Until dQacc[m_block]'s counter reaches `turn` (one thread spins; acquire, GPU scope)."""
@@ -327,13 +334,13 @@ class BwdSm90:
             seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
             while seen != turn:
                 seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
-        cute.arch.sync_threads()
+        self.sync_turn()
 
     @cute.jit
     def pass_turn(self, mSem, m_block, head, batch, tidx):
         """Every thread's dQ additions made visible at GPU scope, then the counter moves on."""
         cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
+        self.sync_turn()
         if tidx == 0:
             sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
             cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
@@ -446,11 +453,6 @@ def compile_bwd(
 _compiled: dict = {}
 
 
-def _chunks(total: int, size: int):
-    """[start, stop) ranges of at most `size` covering range(total)."""
-    return [(start, min(start + size, total)) for start in range(0, total, size)]
-
-
 def backward(
     q,
     k,
@@ -473,7 +475,7 @@ def backward(
     `backward.row_delta`), the zeroed fp32 dQ accumulator from torch;
     the kernel writes per-q-head fp32 dK, dV that a GQA group's sum reduces to its kv head, or,
     with MHA, dK and dV in the inputs' type. Batch and heads past CUDA's 65535 grid limit launch
-    in chunks (whole GQA groups)."""
+    in parts (`kernels.grid_spans`)."""
     import torch
 
     from hopper_fmha.backward import row_delta
@@ -490,13 +492,11 @@ def backward(
         raise ValueError(
             f"dout must match out: {tuple(out.shape)} {out.dtype}, got {tuple(dout.shape)} {dout.dtype}"
         )
-    q, k, v, dout = (
-        t if t.stride(-1) == 1 and t.is_contiguous() else t.contiguous() for t in (q, k, v, dout)
-    )
+    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))  # no copy where already contiguous
     if PREPROCESS_KERNEL:
         from .bwd_preprocess import row_delta_kernel
 
-        out = out if out.is_contiguous() else out.contiguous()
+        out = out.contiguous()
         delta = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
         row_delta_kernel(out, dout, None if dlse is None else dlse.float(), delta)
     else:
@@ -522,17 +522,16 @@ def backward(
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
     if seqlen_k > 0 and seqlen_q > 0:
-        head_step = GRID_YZ_MAX - GRID_YZ_MAX % group  # whole groups: kv head = q head // group
-        for b0, b1 in _chunks(batch, GRID_YZ_MAX):
-            for h0, h1 in _chunks(heads, head_step):
-                kv = slice(h0 // group, h1 // group)
-                dkv = kv if atomic else slice(h0, h1)  # dK, dV's heads: kv heads or q heads
-                fn(
-                    q[b0:b1, :, h0:h1], k[b0:b1, :, kv], v[b0:b1, :, kv], dout[b0:b1, :, h0:h1],
-                    lse[b0:b1, h0:h1], delta[b0:b1, h0:h1], dq_acc[b0:b1, :, h0:h1],
-                    dk[b0:b1, :, dkv], dv[b0:b1, :, dkv],
-                    None if sem is None else sem[b0:b1, h0:h1], softmax_scale, group,
-                )  # fmt: skip
+        from . import grid_spans
+
+        # Parts within CUDA's grid limits, as the forward's (`kernels.grid_spans`).
+        for b, h, kv in grid_spans(batch, heads, kv_heads, GRID_YZ_MAX):
+            dkv = kv if atomic else h  # dK, dV's heads: kv heads or q heads
+            fn(
+                q[b, :, h], k[b, :, kv], v[b, :, kv], dout[b, :, h], lse[b, h], delta[b, h],
+                dq_acc[b, :, h], dk[b, :, dkv], dv[b, :, dkv], None if sem is None else sem[b, h],
+                softmax_scale, group,
+            )  # fmt: skip
     else:
         dk.zero_()
         dv.zero_()

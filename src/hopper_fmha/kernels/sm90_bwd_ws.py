@@ -43,6 +43,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
+from .sm90_bwd import BwdSm90
 from .sm90_common import (
     LOG2_E,
     acc_mn_layout,
@@ -67,9 +68,10 @@ BARRIER_DS = 1  # named barrier: both consumer warpgroups' dS^T rows are in sdS
 BARRIER_TURN = 2  # deterministic mode: the CTA's turn to add dQ has come / its adds are done
 
 
-class BwdWsSm90:
+class BwdWsSm90(BwdSm90):
     """Compile-time configuration of the warp-specialized backward kernel; `__call__` launches it
-    with `sm90_bwd.BwdSm90.__call__`'s arguments."""
+    with `sm90_bwd.BwdSm90.__call__`'s arguments. The deterministic turns (`wait_turn`,
+    `pass_turn`) are BwdSm90's, over this kernel's `sync_turn`."""
 
     def __init__(
         self, dtype, head_dim: int, causal: bool, deterministic: bool = False, dkv_atomic: bool = False
@@ -477,24 +479,9 @@ class BwdWsSm90:
             for r in cutlass.range_constexpr(rows):
                 acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum[c])
 
-    @cute.jit
-    def wait_turn(self, mSem, m_block, head, batch, turn, tidx):
-        """Until dQacc[m_block]'s counter reaches `turn` (one thread spins; acquire, GPU scope)."""
-        if tidx == 0:
-            sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
-            seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
-            while seen != turn:
-                seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
+    def sync_turn(self):
+        """`BwdSm90.wait_turn` and `pass_turn` (inherited) sync the two consumer warpgroups only."""
         cute.arch.barrier(barrier_id=BARRIER_TURN, number_of_threads=NUM_MMA_THREADS)
-
-    @cute.jit
-    def pass_turn(self, mSem, m_block, head, batch, tidx):
-        """Both warpgroups' dQ additions made visible at GPU scope, then the counter moves on."""
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.barrier(barrier_id=BARRIER_TURN, number_of_threads=NUM_MMA_THREADS)
-        if tidx == 0:
-            sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
-            cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def add_dq(self, acc_dQ, thr_dq, mdQacc, scale, m0, head, batch, seqlen_q):
