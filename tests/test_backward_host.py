@@ -5,6 +5,7 @@ allocation, GQA reduction, MHA shortcut and chunking past the 65535 grid limit a
 torch's autograd of the reference without a GPU (the kernels: tests/test_gpu_backward.py)."""
 
 import inspect
+import math
 
 import pytest
 import torch
@@ -20,16 +21,19 @@ from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
 
 def dense_kernel(launches, atomic: bool):
     """A stand-in for a compiled backward kernel: the same 12 arguments, its part of the work
-    done densely in float64 (P from the LSE, dS with the given D), written where the kernel writes."""
+    done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks),
+    written where the kernel writes."""
 
-    def run(q, k, v, dout, lse, delta, dq_acc, dk, dv, sem, scale, group):
-        launches.append(dict(q=q, dk=dk, sem=sem, group=group))
+    def run(q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group):
+        launches.append(dict(q=q, dk=dk, sem=sem, group=group, lse2=lse2, delta=delta))
+        assert lse2.shape[-1] % 64 == 0 and lse2.shape == delta.shape and lse2.shape[-1] >= q.shape[1]
+        lse2, delta = lse2[..., : q.shape[1]], delta[..., : q.shape[1]]
         # q head h of the part reads kv head h // group, as the kernel maps them (a part may hold
         # a slice of one group: all its q heads then read its one kv head).
         kv_of = torch.arange(q.shape[2]) // group
         kk, vv = (t.double()[:, :, kv_of] for t in (k, v))
         s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
-        p = torch.exp(s - lse.double()[..., None])
+        p = torch.exp2(s * math.log2(math.e) - lse2.double()[..., None])
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
         ds = p * (dp - delta.double()[..., None])
         dq_acc += (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale).float()
@@ -59,10 +63,15 @@ def kernels(monkeypatch):
     monkeypatch.setattr(bwd_preprocess, "_compiled", {})
 
     def compile_preprocess(dtype_name, dv, with_dlse):
-        def run(out, dout, dlse, delta):
-            assert (dlse is not None) == with_dlse and delta.dtype == torch.float32
+        def run(out, dout, lse, dlse, delta, lse2):
+            # bwd_preprocess's contract: padded rows 0 and +inf, +inf for a row without keys.
+            assert (dlse is not None) == with_dlse and delta.dtype == lse2.dtype == torch.float32
+            sq = out.shape[1]
             d = (out.double() * dout.double()).sum(-1).transpose(1, 2)
-            delta.copy_(d - dlse if dlse is not None else d)
+            delta.zero_()
+            delta[..., :sq] = d - dlse if dlse is not None else d
+            lse2.fill_(math.inf)
+            lse2[..., :sq] = torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
 
         return run
 
@@ -163,3 +172,23 @@ def test_no_keys_or_no_queries_launch_nothing(kernels):
     q, k, v, out, dout, lse = inputs(sk=0)
     dq, dk, dv = sm90_bwd.backward(q, k, v, out, dout, lse, 0.125, False)
     assert not launches and dk.shape == k.shape and not dq.any()
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["preprocess", "torch"])
+def test_row_stats_are_padded_to_whole_blocks(kernels, monkeypatch, kernel):
+    # D and LSE log2 e as both kernels read them: 130 rows padded to 192 (3 blocks of 64), the
+    # padding and a row without keys at 0 / +inf; the same from the preprocess and from torch.
+    monkeypatch.setattr(sm90_bwd, "PREPROCESS_KERNEL", kernel)
+    q, k, v, out, dout, lse = inputs(sq=130)
+    lse = lse.clone()
+    lse[1, 2, 5] = -math.inf
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1))
+    delta, lse2 = sm90_bwd.row_stats(out, dout, lse, dlse)
+    assert delta.shape == lse2.shape == (2, 4, 192)
+    assert torch.equal(delta[..., 130:], torch.zeros(2, 4, 62))
+    assert torch.isinf(lse2[..., 130:]).all() and (lse2[..., 130:] > 0).all()
+    assert lse2[1, 2, 5] == math.inf
+    expected = (out.double() * dout.double()).sum(-1).transpose(1, 2) - dlse.double()
+    torch.testing.assert_close(delta[..., :130].double(), expected, rtol=1e-5, atol=1e-5)
+    finite = lse != -math.inf
+    torch.testing.assert_close(lse2[..., :130][finite].double(), lse[finite].double() * math.log2(math.e))

@@ -203,12 +203,22 @@ def test_kernel_deterministic_mode(hopper_gpu, version, causal):
 @pytest.mark.parametrize("dv", [64, 72, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_preprocess_kernel_matches_torch(hopper_gpu, dtype, dv, with_dlse):
+    # D and LSE log2 e, padded to 384 rows (0 and +inf past row 333), from the preprocess kernel
+    # against torch; one row without keys (LSE = -inf) gets +inf as well.
+    import math
+
     from hopper_fmha.backward import row_delta
-    from hopper_fmha.kernels.bwd_preprocess import row_delta_kernel
+    from hopper_fmha.kernels.bwd_preprocess import row_stats_kernel
 
     g = torch.Generator(device="cuda").manual_seed(dv)
     out, dout = (torch.randn(3, 333, 5, dv, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     dlse = torch.randn(3, 5, 333, device="cuda", generator=g) if with_dlse else None
-    delta = torch.full((3, 5, 333), float("nan"), device="cuda")
-    row_delta_kernel(out, dout, dlse, delta)
-    torch.testing.assert_close(delta, row_delta(out, dout, dlse), rtol=1e-5, atol=1e-4)
+    lse = torch.randn(3, 5, 333, device="cuda", generator=g)
+    lse[1, 2, 7] = -math.inf
+    delta, lse2 = (torch.full((3, 5, 384), float("nan"), device="cuda") for _ in range(2))
+    row_stats_kernel(out, dout, lse, dlse, delta, lse2)
+    torch.testing.assert_close(delta[..., :333], row_delta(out, dout, dlse), rtol=1e-5, atol=1e-4)
+    expected = torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
+    torch.testing.assert_close(lse2[..., :333], expected, rtol=1e-6, atol=0)
+    assert torch.equal(delta[..., 333:], torch.zeros_like(delta[..., 333:]))
+    assert torch.equal(lse2[..., 333:], torch.full_like(lse2[..., 333:], math.inf))

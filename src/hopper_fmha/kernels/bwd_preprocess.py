@@ -1,14 +1,19 @@
-"""The backward's preprocess: D = rowsum(dO * O) - dLSE per query row, in fp32 (compile tier only:
-not yet run on a GPU).
+"""The backward's preprocess: per query row, D = rowsum(dO * O) - dLSE and LSE * log2 e, in fp32,
+padded to whole 64-row blocks for the backward kernel's TMA loads.
 
-`backward.row_delta` computes the same with torch, through fp32 copies of O and dO (about 0.9 GB of
-memory traffic at B4 N4096 H16 d128: a third of the backward kernel's time at the peers' rate);
-this kernel reads O and dO once, as 16-bit values. Memory-bound, no TMA, `combine.py`'s layout: a
-CTA takes `tile_m` rows in (b, h, q) order (D's order, so its stores are coalesced) and gives each
+`backward.row_delta` computes D with torch, through fp32 copies of O and dO (about 0.9 GB of memory
+traffic at B4 N4096 H16 d128: a third of the backward kernel's time at the peers' rate); this kernel
+reads O and dO once, as 16-bit values. Memory-bound, no TMA, `combine.py`'s layout: a CTA takes
+`tile_m` rows in (b, h, q) order (the outputs' order, so its stores are coalesced) and gives each
 row `threads_per_row` consecutive lanes of one warp; a lane loads 8 columns of O and of dO per
 128-bit load (units lane, lane + threads_per_row, ...), multiplies and sums them in fp32, and the
 row's lanes sum by shuffles. dLSE (the LSE's own gradient, where the caller used the LSE) is
 subtracted when given: d lse / d s = P, so it enters dS = P (dP - D) through D.
+
+The outputs are (b, h, s_pad) with s_pad >= s_q (the host takes a multiple of 64, so each head's
+row is 256-byte aligned and a 64-row block is one TMA box): rows past s_q get D = 0 and
+LSE log2 e = +inf, as do rows without keys (LSE = -inf), so P = exp2(S log2 e scale - that) = 0
+there without a test in the backward's loop.
 
 Compile-time: dtype, head_dim_v (a multiple of 8 up to 256) and whether dLSE is given. Batch,
 lengths, heads and strides are runtime values.
@@ -22,6 +27,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
+
+from .sm90_common import LOG2_E
 
 UNIT = 8  # columns per 128-bit load of 16-bit values
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
@@ -48,14 +55,16 @@ class BwdPreprocessSm90:
         self,
         mO: cute.Tensor,
         mdO: cute.Tensor,
+        mLSE: cute.Tensor,
         mdLSE: cute.Tensor | None,
         mD: cute.Tensor,
+        mLSE2: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        """mO, mdO (b, s_q, h, dv) self.dtype, last mode contiguous, 16-byte aligned rows; mdLSE
-        (b, h, s_q) float32 or None; mD (b, h, s_q) float32."""
+        """mO, mdO (b, s_q, h, dv) self.dtype, last mode contiguous, 16-byte aligned rows; mLSE and
+        mdLSE (b, h, s_q) float32 (mdLSE or None); mD, mLSE2 (b, h, s_pad) float32, s_pad >= s_q."""
         rows = mD.shape[0] * mD.shape[1] * mD.shape[2]
-        self.kernel(mO, mdO, mdLSE, mD).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mD, mLSE2).launch(
             grid=[cute.ceil_div(rows, self.tile_m), 1, 1],
             block=[128, 1, 1],
             stream=stream,
@@ -64,21 +73,30 @@ class BwdPreprocessSm90:
         )
 
     @cute.kernel
-    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mdLSE: cute.Tensor | None, mD: cute.Tensor):
+    def kernel(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdLSE: cute.Tensor | None,
+        mD: cute.Tensor,
+        mLSE2: cute.Tensor,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        batch, heads, seqlen_q = mD.shape
+        batch, heads, seqlen_pad = mD.shape
+        seqlen_q = mO.shape[1]
         lane = tidx % self.threads_per_row
         row = bidx * self.tile_m + tidx // self.threads_per_row
-        valid = row < batch * heads * seqlen_q
-        row = cutlass.min(
-            row, batch * heads * seqlen_q - 1
-        )  # past the end: loads the last row, stores nothing
-        q = row % seqlen_q
-        b = row // seqlen_q // heads
-        h = row // seqlen_q % heads
+        valid = row < batch * heads * seqlen_pad
+        row = cutlass.min(row, batch * heads * seqlen_pad - 1)  # past the end: stores nothing
+        q = row % seqlen_pad
+        b = row // seqlen_pad // heads
+        h = row // seqlen_pad % heads
+        inside = q < seqlen_q
+        q_in = cutlass.min(q, seqlen_q - 1)  # a padding row loads the last row and stores 0, +inf
 
-        gO, gdO = mO[b, q, h, None], mdO[b, q, h, None]  # (dv,)
+        gO, gdO = mO[b, q_in, h, None], mdO[b, q_in, h, None]  # (dv,)
         o = cute.make_rmem_tensor((UNIT,), self.dtype)
         do = cute.make_rmem_tensor((UNIT,), self.dtype)
         total = Float32(0.0)
@@ -91,15 +109,24 @@ class BwdPreprocessSm90:
                 total += prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         total = cute.arch.warp_reduction_sum(total, threads_in_group=self.threads_per_row)
         if valid and lane == 0:
-            if const_expr(self.with_dlse):
-                total -= mdLSE[b, h, q]
+            lse2 = Float32.inf
+            if inside:
+                if const_expr(self.with_dlse):
+                    total -= mdLSE[b, h, q]
+                lse = mLSE[b, h, q]
+                if lse != -Float32.inf:
+                    lse2 = lse * LOG2_E
+            else:
+                total = Float32(0.0)
             mD[b, h, q] = total
+            mLSE2[b, h, q] = lse2
 
 
 def fake_arguments(dtype_name: str, head_dim_v: int, with_dlse: bool):
-    """Compile-time stand-ins for (o, do, dlse, d, stream): batch, s_q, heads symbolic; o and do
-    with strides that are multiples of 8 elements and 16-byte aligned data; dlse and d any strides."""
-    b, sq, h = (cute.sym_int() for _ in range(3))
+    """Compile-time stand-ins for (o, do, lse, dlse, d, lse2, stream): batch, s_q, s_pad, heads
+    symbolic; o and do with strides that are multiples of 8 elements and 16-byte aligned data; the
+    fp32 tensors any strides."""
+    b, sq, h, sp = (cute.sym_int() for _ in range(4))
 
     def by8():
         return cute.sym_int64(divisibility=8)
@@ -109,12 +136,12 @@ def fake_arguments(dtype_name: str, head_dim_v: int, with_dlse: bool):
             _DTYPES[dtype_name], (b, sq, h, head_dim_v), stride=(by8(), by8(), by8(), 1), assumed_align=16
         )
 
-    def bhs():
+    def bhs(seqlen):
         stride = (cute.sym_int64(), cute.sym_int64(), cute.sym_int64())
-        return cute.runtime.make_fake_tensor(Float32, (b, h, sq), stride=stride, assumed_align=4)
+        return cute.runtime.make_fake_tensor(Float32, (b, h, seqlen), stride=stride, assumed_align=4)
 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return bshd(), bshd(), bhs() if with_dlse else None, bhs(), stream
+    return bshd(), bshd(), bhs(sq), bhs(sq) if with_dlse else None, bhs(sp), bhs(sp), stream
 
 
 def compile_preprocess(dtype_name: str, head_dim_v: int, with_dlse: bool, *, options: str = ""):
@@ -127,13 +154,14 @@ def compile_preprocess(dtype_name: str, head_dim_v: int, with_dlse: bool, *, opt
 _compiled: dict[tuple[str, int, bool], Any] = {}
 
 
-def row_delta_kernel(out, dout, dlse, delta) -> None:
-    """delta (b, h, s_q) float32 <- rowsum(dout * out) - dlse, on the current stream. out, dout
+def row_stats_kernel(out, dout, lse, dlse, delta, lse2) -> None:
+    """delta, lse2 (b, h, s_pad) float32 <- rowsum(dout * out) - dlse and lse * log2 e (module
+    docstring: 0 and +inf past s_q, +inf where lse = -inf), on the current stream. out, dout
     (b, s_q, h, dv) float16/bfloat16 with the kernel's strides (last dim contiguous, others
-    multiples of 8, 16-byte aligned); dlse (b, h, s_q) float32 or None."""
+    multiples of 8, 16-byte aligned), s_q >= 1; lse, dlse (b, h, s_q) float32 (dlse or None)."""
     key = (str(out.dtype).removeprefix("torch."), out.shape[-1], dlse is not None)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_preprocess(*key)
     if delta.numel():
-        fn(out, dout, dlse, delta)
+        fn(out, dout, lse, dlse, delta, lse2)

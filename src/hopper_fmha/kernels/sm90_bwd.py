@@ -32,8 +32,9 @@ CTAs launched before it: blocks launch in blockIdx.x order, and with the causal 
 blockIdx.x takes key block num_n - 1 - blockIdx.x (the later key blocks first), so waiting never
 holds an SM that a CTA it waits for would need.
 
-Layout of the arguments: Q, dO (b, s_q, h, d); K, V (b, s_k, h_kv, d) 16-bit; LSE, D (b, h, s_q)
-float32 (LSE natural log; -inf for a row without keys); dQacc (b, s_q, h, d), dK, dV (b, s_k, h, d)
+Layout of the arguments: Q, dO (b, s_q, h, d); K, V (b, s_k, h_kv, d) 16-bit; LSE log2 e and D
+(b, h, s_pad) float32 from the preprocess (`bwd_preprocess`: s_pad a multiple of 64, +inf and 0 for
+rows past s_q and rows without keys); dQacc (b, s_q, h, d), dK, dV (b, s_k, h, d)
 float32; the semaphores (b, h, ceil(s_q / 64)) int32, deterministic mode only (else None).
 """
 
@@ -271,13 +272,9 @@ class BwdSm90:
             acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 q = m0 + tScS[0, c][1]
-                lse_log2 = Float32.inf  # rows past the end and rows without keys: P = 0
-                dsum = Float32(0.0)
-                if q < seqlen_q:
-                    lse = mLSE[q, head, batch]
-                    if lse != -Float32.inf:
-                        lse_log2 = lse * LOG2_E
-                    dsum = mD[q, head, batch]
+                # LSE log2 e and D, padded: +inf and 0 past the end and for rows without keys (P = 0).
+                lse_log2 = mLSE[q, head, batch]
+                dsum = mD[q, head, batch]
                 for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                     key = n0 + tScS[r, c][0]
                     # Visible: inside the keys, and (causal) key <= q + s_k - s_q: the bound is
@@ -388,7 +385,7 @@ def fake_arguments(
     mode contiguous, the semaphores (deterministic mode) contiguous; the stream TVM-FFI's current one.
     dK, dV: fp32 per q head, or (mha) in the inputs' type, the gradients themselves, or
     (dkv_atomic) fp32 per kv head."""
-    b, sq, sk, h, hkv, nm = (cute.sym_int() for _ in range(6))
+    b, sq, sk, h, hkv, nm, sp = (cute.sym_int() for _ in range(7))
 
     def bshd(seqlen, heads, elem):
         stride = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
@@ -396,10 +393,9 @@ def fake_arguments(
             elem, (b, seqlen, heads, head_dim), stride=stride, assumed_align=16
         )
 
-    def bhs():
-        return cute.runtime.make_fake_tensor(
-            Float32, (b, h, sq), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
-        )
+    def bhs():  # (b, h, s_pad): s_pad a multiple of 64, so every stride is (v2's TMA takes them)
+        stride = (cute.sym_int64(divisibility=64), cute.sym_int64(divisibility=64), 1)
+        return cute.runtime.make_fake_tensor(Float32, (b, h, sp), stride=stride, assumed_align=256)
 
     q, do = bshd(sq, h, dtype), bshd(sq, h, dtype)
     k, v = bshd(sk, hkv, dtype), bshd(sk, hkv, dtype)
@@ -453,6 +449,33 @@ def compile_bwd(
 _compiled: dict = {}
 
 
+def row_stats(out, dout, lse, dlse):
+    """(D, LSE log2 e) as the kernels read them: (b, h, s_pad) float32, s_pad = s_q rounded up to
+    64, D = rowsum(dout * out) - dlse, +inf and 0 past s_q and +inf where lse = -inf
+    (`bwd_preprocess`'s contract): from the preprocess kernel (PREPROCESS_KERNEL), else from torch.
+    s_q >= 1."""
+    import torch
+
+    batch, seqlen_q, heads = out.shape[:3]
+    seqlen_pad = -(-seqlen_q // TILE) * TILE
+    delta = torch.empty(batch, heads, seqlen_pad, device=out.device, dtype=torch.float32)
+    lse2 = torch.empty_like(delta)
+    lse = lse.float().contiguous()
+    if PREPROCESS_KERNEL and seqlen_q:
+        from .bwd_preprocess import row_stats_kernel
+
+        row_stats_kernel(out.contiguous(), dout, lse, None if dlse is None else dlse.float(), delta, lse2)
+        return delta, lse2
+    from hopper_fmha.backward import row_delta
+
+    delta.zero_()
+    lse2.fill_(float("inf"))
+    if seqlen_q:
+        delta[..., :seqlen_q] = row_delta(out, dout, dlse)
+        lse2[..., :seqlen_q] = torch.where(lse == -float("inf"), float("inf"), lse * LOG2_E)
+    return delta, lse2
+
+
 def backward(
     q,
     k,
@@ -471,14 +494,12 @@ def backward(
     exact), for the upstream gradients dout and, where the caller used the LSE, dlse (b, h, s_q);
     d = 64 or 128, fp16/bf16, BSHD, GQA/MQA. Not yet run on a GPU.
 
-    D = rowsum(dout * out) - dlse comes from `bwd_preprocess` (PREPROCESS_KERNEL; else from torch,
-    `backward.row_delta`), the zeroed fp32 dQ accumulator from torch;
+    D = rowsum(dout * out) - dlse and LSE log2 e, padded, come from `row_stats`, the zeroed fp32 dQ
+    accumulator from torch;
     the kernel writes per-q-head fp32 dK, dV that a GQA group's sum reduces to its kv head, or,
     with MHA, dK and dV in the inputs' type. Batch and heads past CUDA's 65535 grid limit launch
     in parts (`kernels.grid_spans`)."""
     import torch
-
-    from hopper_fmha.backward import row_delta
 
     dtype_name = str(q.dtype).removeprefix("torch.")
     batch, seqlen_q, heads, d = q.shape
@@ -493,15 +514,7 @@ def backward(
             f"dout must match out: {tuple(out.shape)} {out.dtype}, got {tuple(dout.shape)} {dout.dtype}"
         )
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))  # no copy where already contiguous
-    if PREPROCESS_KERNEL:
-        from .bwd_preprocess import row_delta_kernel
-
-        out = out.contiguous()
-        delta = torch.empty(batch, heads, seqlen_q, device=q.device, dtype=torch.float32)
-        row_delta_kernel(out, dout, None if dlse is None else dlse.float(), delta)
-    else:
-        delta = row_delta(out, dout, dlse)
-    lse = lse.contiguous()
+    delta, lse2 = row_stats(out, dout, lse, dlse)
     dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
@@ -528,7 +541,7 @@ def backward(
         for b, h, kv in grid_spans(batch, heads, kv_heads, GRID_YZ_MAX):
             dkv = kv if atomic else h  # dK, dV's heads: kv heads or q heads
             fn(
-                q[b, :, h], k[b, :, kv], v[b, :, kv], dout[b, :, h], lse[b, h], delta[b, h],
+                q[b, :, h], k[b, :, kv], v[b, :, kv], dout[b, :, h], lse2[b, h], delta[b, h],
                 dq_acc[b, :, h], dk[b, :, dkv], dv[b, :, dkv], None if sem is None else sem[b, h],
                 softmax_scale, group,
             )  # fmt: skip

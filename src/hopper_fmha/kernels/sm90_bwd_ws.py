@@ -144,6 +144,10 @@ class BwdWsSm90(BwdSm90):
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(tma_op, mdO, q_stage, (TILE_M, d))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, kv_layout, (TILE_N, d))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, kv_layout, (TILE_N, d))
+        # LSE log2 e and D of a query block: 64 floats (256 bytes), with Q and with dO.
+        row_layout = cute.make_layout(TILE_M)
+        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_op, mLSE, row_layout, (TILE_M,))
+        tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(tma_op, mD, row_layout, (TILE_M,))
 
         @cute.struct
         class SharedStorage:
@@ -155,11 +159,13 @@ class BwdWsSm90(BwdSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 128]
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE_N), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, qhead_per_kvhead,
+            tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, mdQacc, mdK, mdV, mSem, softmax_scale, qhead_per_kvhead,
             kv_layout, q_layout, ds_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
 
@@ -175,7 +181,9 @@ class BwdWsSm90(BwdSm90):
         mK: cute.Tensor,
         tma_atom_V: cute.CopyAtom,
         mV: cute.Tensor,
+        tma_atom_LSE: cute.CopyAtom,
         mLSE: cute.Tensor,
+        tma_atom_D: cute.CopyAtom,
         mD: cute.Tensor,
         mdQacc: cute.Tensor,
         mdK: cute.Tensor,
@@ -210,14 +218,15 @@ class BwdWsSm90(BwdSm90):
         storage = smem.allocate(SharedStorage)
         mbar_KV = storage.mbar_KV.data_ptr()
         if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
+            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE, tma_atom_D):
                 cpasync.prefetch_descriptor(atom)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_KV, 1)
         # "full": one producer arrive plus the TMA bytes; "empty": one arrive per consumer warp.
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_THREADS // 32)
-        tile_bytes = cute.size_in_bytes(self.dtype, cute.select(q_layout, mode=[0, 1]))
+        # A stage: the 16-bit tile and its rows' fp32 LSE log2 e (Q) or D (dO).
+        tile_bytes = cute.size_in_bytes(self.dtype, cute.select(q_layout, mode=[0, 1])) + TILE_M * 4
         pipes = [
             pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar.data_ptr(),
@@ -238,37 +247,43 @@ class BwdWsSm90(BwdSm90):
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sdO = storage.sdO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
+        rows_layout = cute.make_layout((TILE_M, STAGES))
+        sLSE, sD = storage.sLSE.get_tensor(rows_layout), storage.sD.get_tensor(rows_layout)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(REGISTERS[0])
             if warp_idx == 0:
                 self.producer(
-                    tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, sQ, sdO, sK, sV,
-                    mbar_KV, pipes, n_block, head, head // qhead_per_kvhead, batch, m_min, num_m,
+                    tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE,
+                    mLSE, tma_atom_D, mD, sQ, sdO, sK, sV, sLSE, sD, mbar_KV, pipes, n_block, head,
+                    head // qhead_per_kvhead, batch, m_min, num_m,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(REGISTERS[1])
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
             self.consumer(
-                tidx, sQ, sdO, sK, sV, sdS, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv, tiled_mma_dq,
-                mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, head // qhead_per_kvhead,
-                batch, m_min, num_m, num_n,
+                tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
+                tiled_mma_dq, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head,
+                head // qhead_per_kvhead, batch, m_min, num_m, num_n, seqlen_q,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer
     @cute.jit
     def producer(
-        self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, sQ, sdO, sK, sV,
-        mbar_KV, pipes, n_block, head, head_kv, batch, m_min, num_m,
+        self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
+        tma_atom_D, mD, sQ, sdO, sK, sV, sLSE, sD, mbar_KV, pipes, n_block, head, head_kv, batch,
+        m_min, num_m,
     ):  # fmt: skip
-        """One warp: K and V of the CTA's keys once, then Q and dO of every query block it
-        walks, each into the next free stage of its pipeline."""
+        """One warp: K and V of the CTA's keys once, then Q (with its rows' LSE log2 e) and dO
+        (with D) of every query block it walks, each into the next free stage of its pipeline."""
         d = self.head_dim
         pipe_q, pipe_do = pipes
         gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
         gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))
         gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
+        gLSE = cute.local_tile(mLSE[None, head, batch], (TILE_M,), (None,))
+        gD = cute.local_tile(mD[None, head, batch], (TILE_M,), (None,))
 
         def partition(atom, smem_tile, gmem_tiles):
             s_grouped, g_grouped = cute.group_modes(smem_tile, 0, 2), cute.group_modes(gmem_tiles, 0, 2)
@@ -278,6 +293,13 @@ class BwdWsSm90(BwdSm90):
         tVsV, tVgV = partition(tma_atom_V, sV, gV)
         tQsQ, tQgQ = partition(tma_atom_Q, sQ, gQ)
         tOsdO, tOgdO = partition(tma_atom_dO, sdO, gdO)
+
+        def partition_rows(atom, smem_rows, gmem_rows):
+            s_grouped, g_grouped = cute.group_modes(smem_rows, 0, 1), cute.group_modes(gmem_rows, 0, 1)
+            return cpasync.tma_partition(atom, 0, cute.make_layout(1), s_grouped, g_grouped)
+
+        tLsLSE, tLgLSE = partition_rows(tma_atom_LSE, sLSE, gLSE)
+        tDsD, tDgD = partition_rows(tma_atom_D, sD, gD)
         kv_bytes = cute.size_in_bytes(self.dtype, sK.layout)
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_KV, 2 * kv_bytes)
@@ -292,10 +314,18 @@ class BwdWsSm90(BwdSm90):
                 tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
                 tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
             )  # fmt: skip
+            cute.copy(
+                tma_atom_LSE, tLgLSE[None, m_block], tLsLSE[None, q_state.index],
+                tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
+            )  # fmt: skip
             q_state.advance()
             pipe_do.producer_acquire(do_state)
             cute.copy(
                 tma_atom_dO, tOgdO[None, m_block], tOsdO[None, do_state.index],
+                tma_bar_ptr=pipe_do.producer_get_barrier(do_state),
+            )  # fmt: skip
+            cute.copy(
+                tma_atom_D, tDgD[None, m_block], tDsD[None, do_state.index],
                 tma_bar_ptr=pipe_do.producer_get_barrier(do_state),
             )  # fmt: skip
             do_state.advance()
@@ -306,14 +336,13 @@ class BwdWsSm90(BwdSm90):
     # ---------------------------------------------------------------- consumers
     @cute.jit
     def consumer(
-        self, tidx, sQ, sdO, sK, sV, sdS, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv, tiled_mma_dq,
-        mLSE, mD, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, head_kv, batch, m_min, num_m,
-        num_n,
+        self, tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
+        tiled_mma_dq, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, head_kv, batch, m_min,
+        num_m, num_n, seqlen_q,
     ):  # fmt: skip
         """Both consumer warpgroups (tidx 0..255): the query blocks [m_min, num_m), then dK, dV."""
         d = self.head_dim
         pipe_q, pipe_do = pipes
-        seqlen_q = mLSE.shape[0]
         seqlen_k = mdK.shape[0]
         scale_log2 = softmax_scale * LOG2_E
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
@@ -355,12 +384,12 @@ class BwdWsSm90(BwdSm90):
         for m_block in cutlass.range(m_min, num_m, unroll=1):
             m0 = m_block * TILE_M
             buf = (m_block - m_min) % 2
-            # The block's LSEs, loaded before the GEMMs are waited for (their latency hidden).
-            lse_log2 = self.load_lse(tScS, mLSE, m0, head, batch, seqlen_q)
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
             acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
             pipe_q.consumer_wait(q_state)
             gemm(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, q_state.index], zero_init=True, wg_wait=-1)
+            # The block's LSE log2 e (from shared memory, with Q), read while S^T runs.
+            lse_log2 = self.load_rows(tScS, sLSE, q_state.index)
             pipe_do.consumer_wait(do_state)
             gemm(
                 tiled_mma_s, acc_dP, tPrV, tPrdO[None, None, None, do_state.index], zero_init=True, wg_wait=-1
@@ -372,7 +401,7 @@ class BwdWsSm90(BwdSm90):
                 past = cutlass.max(past, n0 + TILE_N - 1 - (m0 + seqlen_k - seqlen_q))
             masked = past > 0
             warpgroup.wait_group(1)  # S^T done; dP^T may still run
-            self.probabilities(acc_S, acc_dP, tScS, lse_log2, mD, m0, n0, head, batch, seqlen_q, seqlen_k,
+            self.probabilities(acc_S, acc_dP, tScS, lse_log2, sD, do_state.index, m0, n0, seqlen_q, seqlen_k,
                                scale_log2, masked)  # fmt: skip
             rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
             convert(acc_S, rP)
@@ -427,23 +456,18 @@ class BwdWsSm90(BwdSm90):
         self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen_k)
 
     @cute.jit
-    def load_lse(self, tScS, mLSE, m0, head, batch, seqlen_q):
-        """LSE * log2 e of this thread's query columns of block m0: +inf for rows past the end
-        and rows without keys (P = 0)."""
+    def load_rows(self, tScS, sRows, stage):
+        """This thread's query columns' values from a stage of sLSE or sD (the preprocess's: +inf
+        and 0 past the end and for rows without keys, so P = 0 there)."""
         cols = cute.size(tScS, mode=[1])
-        lse_log2 = cute.make_rmem_tensor((cols,), Float32)
+        values = cute.make_rmem_tensor((cols,), Float32)
         for c in cutlass.range_constexpr(cols):
-            q = m0 + tScS[0, c][1]
-            lse_log2[c] = Float32.inf
-            if q < seqlen_q:
-                lse = mLSE[q, head, batch]
-                if lse != -Float32.inf:
-                    lse_log2[c] = lse * LOG2_E
-        return lse_log2
+            values[c] = sRows[tScS[0, c][1], stage]
+        return values
 
     @cute.jit
     def probabilities(
-        self, acc_S, acc_dP, tScS, lse_log2, mD, m0, n0, head, batch, seqlen_q, seqlen_k, scale_log2, masked
+        self, acc_S, acc_dP, tScS, lse_log2, sD, do_stage, m0, n0, seqlen_q, seqlen_k, scale_log2, masked
     ):
         """P^T and dS^T in place of S^T and dP^T (waits for dP^T after P^T): P = exp2(S scale log2 e
         - LSE log2 e), 0 where masked; dS = P (dP - D). Columns are queries, rows keys."""
@@ -466,14 +490,9 @@ class BwdWsSm90(BwdSm90):
             for c in cutlass.range_constexpr(cols):
                 for r in cutlass.range_constexpr(rows):
                     acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2[c], fastmath=True)
-        # D of the columns: loaded while dP^T may still run (not beside the LSE: fewer registers
+        # D of the columns, read while dP^T may still run (not beside the LSE: fewer registers
         # live across the GEMMs' issue).
-        dsum = cute.make_rmem_tensor((cols,), Float32)
-        for c in cutlass.range_constexpr(cols):
-            q = m0 + tScS[0, c][1]
-            dsum[c] = Float32(0.0)
-            if q < seqlen_q:
-                dsum[c] = mD[q, head, batch]
+        dsum = self.load_rows(tScS, sD, do_stage)
         warpgroup.wait_group(0)  # dP^T done
         for c in cutlass.range_constexpr(cols):
             for r in cutlass.range_constexpr(rows):

@@ -1,0 +1,100 @@
+"""Where the backward's time goes, on the GPU: every kernel of one `sm90_bwd.backward` call (torch
+profiler), the main kernel alone per version (CUDA events, median), and probes that remove one
+part of v2 to price it (the dQ atomics). `--ncu` runs one call only, for `ncu --kernel-name
+regex:Bwd`.
+
+    python scripts/bwd_profile.py --d 128 --heads 16 [--causal] [--probes noatomic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import cutlass.cute as cute
+import torch
+
+from hopper_fmha import flash_attn_func
+from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
+
+
+@cute.jit
+def _no_dq(self, acc_dQ, thr_dq, mdQacc, scale, m0, head, batch, seqlen_q):
+    pass
+
+
+PROBES = {"noatomic": ("add_dq", _no_dq)}
+
+
+def inputs(args):
+    torch.manual_seed(0)
+    shape = (args.batch, args.seqlen, args.heads, args.d)
+    dtype = getattr(torch, args.dtype)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+    with torch.no_grad():
+        out, lse = flash_attn_func(q, k, v, causal=args.causal, return_lse=True)
+    return q, k, v, out, dout, lse
+
+
+def time_ms(fn, iters=20):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--versions", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--probes", nargs="*", default=[])
+    parser.add_argument("--ncu", action="store_true", help="one call of the default version, no timing")
+    args = parser.parse_args()
+    q, k, v, out, dout, lse = inputs(args)
+    scale = args.d**-0.5
+    fmul = 2.5 * 4 * args.batch * args.heads * args.seqlen**2 * args.d / (2 if args.causal else 1)
+
+    def call(version):
+        return sm90_bwd.backward(q, k, v, out, dout, lse, scale, args.causal, version=version)
+
+    if args.ncu:
+        call(None)
+        torch.cuda.synchronize()
+        return
+    name = f"B{args.batch} N{args.seqlen} H{args.heads} d{args.d} {args.dtype}"
+    name += " causal" if args.causal else ""
+    for version in args.versions:
+        ms = time_ms(lambda version=version: call(version))
+        print(f"{name} v{version}: backward() {ms:.3f} ms, {fmul / ms / 1e9:.1f} TFLOP/s")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call(version)
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.device_time_total > 0:
+                print(f"    {e.device_time_total / 1e3:8.3f} ms  {e.key[:100]}")
+    for probe in args.probes:
+        method, fn = PROBES[probe]
+        saved = getattr(sm90_bwd_ws.BwdWsSm90, method)
+        setattr(sm90_bwd_ws.BwdWsSm90, method, fn)
+        sm90_bwd._compiled.clear()
+        ms = time_ms(lambda: call(2))
+        tflops = fmul / ms / 1e9
+        print(f"{name} v2 probe {probe}: backward() {ms:.3f} ms, {tflops:.1f} TFLOP/s (wrong results)")
+        setattr(sm90_bwd_ws.BwdWsSm90, method, saved)
+        sm90_bwd._compiled.clear()
+
+
+if __name__ == "__main__":
+    main()
