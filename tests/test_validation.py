@@ -590,6 +590,7 @@ def test_torch_compile_traces_the_op_with_score_features(cpu_kernel):
         lambda q, k, v, s: flash_attn_func(
             q, k, v, window_size=(3, 1), softcap=4.0, learnable_sink=s, return_lse=True
         ),
+        fullgraph=True,
         backend="aot_eager",
     )
     out, lse = compiled(q, k, v, sink)
@@ -603,12 +604,43 @@ def test_torch_compile_traces_the_op(cpu_kernel):
     # aot_eager traces through the fake implementation without needing a C++ compiler.
     q, k, v = qkv()
     compiled = torch.compile(
-        lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True), backend="aot_eager"
+        lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True),
+        fullgraph=True,
+        backend="aot_eager",
     )
     out, lse = compiled(q, k, v)
     ref_out, ref_lse = reference(q, k, v, causal=True)
     torch.testing.assert_close(out, ref_out.to(q.dtype), rtol=0, atol=0)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "head_dim,head_dim_v,seqlen_k,kwargs",
+    [
+        (64, 64, 7, dict(causal=True)),
+        (128, 128, 2048, dict()),
+        (64, 64, 7, dict(variant="ws", causal=True)),
+        (64, 64, 7, dict(variant="ws", tile=(128, 128))),
+        (96, 96, 7, dict()),
+        (64, 32, 7, dict()),
+    ],
+    ids=["paper", "ws-auto", "ws", "ws-tile", "ws-padded", "ws-head-dim-v"],
+)
+def test_torch_compile_fullgraph_selects_every_config(cpu_kernel, head_dim, head_dim_v, seqlen_k, kwargs):
+    # Under torch.compile the config is selected inside the traced code (select_config unwrapped),
+    # so every path through it must trace without a graph break (torch 2.11's Dynamo cannot trace
+    # hash() of a tuple nor min() of a generator).
+    q = torch.randn(1, 5, 2, head_dim).to(torch.float16)
+    k = torch.randn(1, seqlen_k, 2, head_dim).to(torch.float16)
+    v = torch.randn(1, seqlen_k, 2, head_dim_v).to(torch.float16)
+    compiled = torch.compile(
+        lambda q, k, v: flash_attn_func(q, k, v, **kwargs), fullgraph=True, backend="aot_eager"
+    )
+    out = compiled(q, k, v)
+    causal = kwargs.get("causal", False)
+    torch.testing.assert_close(out, reference(q, k, v, causal=causal)[0].to(q.dtype))
+    _, eager_cfg = interface._validate(q, k, v, None, causal, kwargs.get("variant"), kwargs.get("tile"))
+    assert cpu_kernel[-1]["cfg"] == eager_cfg
 
 
 def test_fake_matches_real_metadata():
@@ -663,6 +695,18 @@ def test_kernel_config_hash_follows_its_fields():
     assert a == b and hash(a) == hash(b)
     c = dataclasses.replace(a, pin_pv_wait=a.pin_pv_wait + 1)
     assert c != a and len({a, b, c}) == 2
+
+
+def test_kernel_config_hash_is_computed_once_on_first_use():
+    # Not at construction (torch.compile traces the construction), then cached: a config that keys
+    # the per-call caches is not hashed field by field on every call.
+    cfg = config.KernelConfig("ws", 128, 128, 128)
+    assert "_hash" not in vars(cfg)
+    h = hash(cfg)
+    assert vars(cfg)["_hash"] == h == hash(tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
+    object.__setattr__(cfg, "_hash", 12345)  # the cached value is what later calls return
+    assert hash(cfg) == 12345
+    assert "_hash" not in vars(dataclasses.replace(cfg))
 
 
 @pytest.mark.parametrize(

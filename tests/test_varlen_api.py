@@ -192,6 +192,7 @@ def test_torch_compile_traces_the_op(cpu_kernel):
         lambda q, k, v, cu_q, cu_k: flash_attn_varlen_func(
             q, k, v, cu_q, cu_k, max_q, max_k, causal=True, window_size=(4, -1), return_lse=True
         ),
+        fullgraph=True,
         backend="aot_eager",
     )
     out, lse = compiled(q, k, v, cu_q, cu_k)

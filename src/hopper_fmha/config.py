@@ -91,7 +91,9 @@ def check_head_dims(head_dim: int, head_dim_v: int) -> None:
 def kernel_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     """The ws kernel's (head_dim, head_dim_v) for data of these head dims: the smallest pair of
     WS_KERNEL_HEAD_DIMS at least as large in both (`check_head_dims` holds)."""
-    return min((kd, kdv) for kd, kdv in WS_KERNEL_HEAD_DIMS if kd >= head_dim and kdv >= head_dim_v)
+    # min of a list, not of a generator: traced by torch.compile (`select_config`), where Dynamo
+    # cannot take min() of a generator.
+    return min([(kd, kdv) for kd, kdv in WS_KERNEL_HEAD_DIMS if kd >= head_dim and kdv >= head_dim_v])
 
 
 def default_softmax_scale(head_dim: int) -> float:
@@ -146,13 +148,16 @@ class KernelConfig:
             return (self.head_dim, self.head_dim)
         return kernel_head_dims(self.head_dim, self.value_dim)
 
-    def __post_init__(self):
-        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
-
     def __hash__(self) -> int:
-        # Configs are keys of the per-call caches (launch_config's lru_caches): hashed once, not
-        # field by field on every call.
-        return self._hash
+        # Configs are keys of the per-call caches (launch_config's lru_caches): hashed once, on
+        # first use, then cached; not field by field on every call. Not at construction: a config
+        # is built inside torch.compile'd code (select_config under Dynamo), where torch 2.11's
+        # Dynamo cannot trace hash() of a tuple.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
 
 
 def register_estimate(head_dim: int, tile_m: int, tile_n: int, num_threads: int = 128) -> int:
