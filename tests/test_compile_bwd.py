@@ -60,6 +60,9 @@ def test_backward_compiles_without_spills(dtype, head_dim, causal, deterministic
         # no LDG is left (the deterministic mode's semaphore polls are generic LD.E.STRONG.GPU).
         assert "UTMALDG.3D" in text  # (s_pad, h, b) rows
         assert "LDG.E" not in text
+        # dQ: by TMA reduce-add, or (deterministic) by vector atomics at the CTA's turn.
+        assert ("UTMAREDG.4D.ADD" in text) != deterministic
+        assert ("G.E.ADD.F32x2" in text) == deterministic  # REDG or ATOMG
     assert summary["utmaldg"] > 0
     # The semaphores' GPU-scope fence (release) exists in deterministic mode only.
     assert ("MEMBAR.ALL.GPU" in text) == deterministic
@@ -111,7 +114,7 @@ def test_preprocess_compiles(dtype, head_dim_v, with_dlse):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gqa_sums_dk_dv_by_vector_atomics(head_dim):
     # v2 with GQA (not deterministic): dK, dV added into per-kv-head fp32 sums, two columns per
-    # red.global.add.v2.f32, beside dQ's; no stores of them.
+    # red.global.add.v2.f32; no stores of them. dQ goes by TMA reduce-add, not by these.
     from hopper_fmha.kernels.sm90_bwd import compile_bwd
 
     reds = {}
@@ -133,6 +136,6 @@ def test_gqa_sums_dk_dv_by_vector_atomics(head_dim):
         except RuntimeError as e:  # no nvdisasm
             pytest.skip(str(e))
         reds[atomic] = text.count("REDG.E.ADD.F32x2")
-    # Per thread: dQ's 64 x d/2 block over 128 threads, pairs (= d / 8); dK and dV's 64 x d rows
-    # over 128 threads of a warpgroup, pairs (2 * d / 4).
-    assert reds[False] == head_dim // 8 and reds[True] == head_dim // 8 + head_dim // 2
+        assert "UTMAREDG.4D.ADD" in text  # dQ's reduce-add, a warpgroup's 64 x d/2 block
+    # Per thread: dK and dV's 64 x d rows over 128 threads of a warpgroup, pairs (2 * d / 4).
+    assert reds[False] == 0 and reds[True] == head_dim // 2

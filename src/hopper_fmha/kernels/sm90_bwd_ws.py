@@ -66,6 +66,7 @@ STAGES = 2  # Q and dO pipeline stages
 REGISTERS = (24, 240)
 BARRIER_DS = 1  # named barrier: both consumer warpgroups' dS^T rows are in sdS
 BARRIER_TURN = 2  # deterministic mode: the CTA's turn to add dQ has come / its adds are done
+BARRIER_DQ = 3  # + warpgroup: its dQ buffer is free / written (TMA reduce-add of dQ)
 
 
 class BwdWsSm90(BwdSm90):
@@ -148,6 +149,17 @@ class BwdWsSm90(BwdSm90):
         row_layout = cute.make_layout(TILE_M)
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_op, mLSE, row_layout, (TILE_M,))
         tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(tma_op, mD, row_layout, (TILE_M,))
+        # dQ (not deterministic): each warpgroup's 64 x d/2 fp32 half through shared memory, added
+        # into dQacc by a TMA reduce-add (rows past the end clipped by the TMA unit).
+        dq_layout = smem_layout(Float32, TILE_M, d // 2, 2)
+        dq_elems = 8
+        tma_atom_dQ, tma_dQ = None, mdQacc
+        if const_expr(not self.deterministic):
+            dq_elems = cute.cosize(dq_layout)
+            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
+                (TILE_M, d // 2),
+            )  # fmt: skip
 
         @cute.struct
         class SharedStorage:
@@ -161,12 +173,14 @@ class BwdWsSm90(BwdSm90):
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE_N), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, mdQacc, mdK, mdV, mSem, softmax_scale, qhead_per_kvhead,
-            kv_layout, q_layout, ds_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq, SharedStorage,
+            tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, mdK, mdV, mSem, softmax_scale,
+            qhead_per_kvhead,
+            kv_layout, q_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
 
     # ---------------------------------------------------------------- device side
@@ -185,6 +199,7 @@ class BwdWsSm90(BwdSm90):
         mLSE: cute.Tensor,
         tma_atom_D: cute.CopyAtom,
         mD: cute.Tensor,
+        tma_atom_dQ: cute.CopyAtom | None,
         mdQacc: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
@@ -194,6 +209,7 @@ class BwdWsSm90(BwdSm90):
         kv_layout: cute.ComposedLayout,
         q_layout: cute.ComposedLayout,
         ds_layout: cute.ComposedLayout,
+        dq_layout: cute.ComposedLayout,
         tiled_mma_s: cute.TiledMma,
         tiled_mma_kv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -249,6 +265,9 @@ class BwdWsSm90(BwdSm90):
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
         rows_layout = cute.make_layout((TILE_M, STAGES))
         sLSE, sD = storage.sLSE.get_tensor(rows_layout), storage.sD.get_tensor(rows_layout)
+        sdQ = None
+        if const_expr(not self.deterministic):
+            sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(REGISTERS[0])
@@ -262,8 +281,8 @@ class BwdWsSm90(BwdSm90):
             cute.arch.setmaxregister_increase(REGISTERS[1])
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
             self.consumer(
-                tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
-                tiled_mma_dq, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head,
+                tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
+                tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head,
                 head // qhead_per_kvhead, batch, m_min, num_m, num_n, seqlen_q,
             )  # fmt: skip
 
@@ -336,9 +355,9 @@ class BwdWsSm90(BwdSm90):
     # ---------------------------------------------------------------- consumers
     @cute.jit
     def consumer(
-        self, tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
-        tiled_mma_dq, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, head_kv, batch, m_min,
-        num_m, num_n, seqlen_q,
+        self, tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
+        tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, head_kv, batch,
+        m_min, num_m, num_n, seqlen_q,
     ):  # fmt: skip
         """Both consumer warpgroups (tidx 0..255): the query blocks [m_min, num_m), then dK, dV."""
         d = self.head_dim
@@ -445,13 +464,17 @@ class BwdWsSm90(BwdSm90):
                     n_end = cutlass.min(num_n, (m0 + TILE_M - 1 + seqlen_k - seqlen_q) // TILE_N + 1)
                     turn = n_end - 1 - n_block
                 self.wait_turn(mSem, m_block, head, batch, turn, tidx)
-            self.add_dq(acc_dQ, thr_dq, mdQacc, softmax_scale, m0, head, batch, seqlen_q)
-            if const_expr(self.deterministic):
+                self.add_dq(acc_dQ, thr_dq, mdQacc, softmax_scale, m0, head, batch, seqlen_q)
                 self.pass_turn(mSem, m_block, head, batch, tidx)
+            else:
+                self.reduce_dq(acc_dQ, sdQ, tma_atom_dQ, mdQacc, softmax_scale, m_block, head, batch, tidx)
             warpgroup.wait_group(0)  # dK done: Q's stage goes back to the producer
             pipe_q.consumer_release(q_state)
             q_state.advance()
 
+        if const_expr(not self.deterministic):  # the last reduce-add has read its buffer
+            if tidx % WARPGROUP < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         out_head = head_kv if const_expr(self.dkv_atomic) else head
         self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen_k)
 
@@ -501,6 +524,42 @@ class BwdWsSm90(BwdSm90):
     def sync_turn(self):
         """`BwdSm90.wait_turn` and `pass_turn` (inherited) sync the two consumer warpgroups only."""
         cute.arch.barrier(barrier_id=BARRIER_TURN, number_of_threads=NUM_MMA_THREADS)
+
+    @cute.jit
+    def reduce_dq(self, acc_dQ, sdQ, tma_atom_dQ, mdQacc, scale, m_block, head, batch, tidx):
+        """dQacc[block m_block][:, half w] += scale * acc_dQ by TMA: the warpgroup writes its half
+        into its buffer of sdQ (once the previous block's reduce-add has read it), and its first
+        warp issues the reduce-add. Not deterministic (the adds of a block's key blocks land in
+        any order)."""
+        d = self.head_dim
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        wtid = tidx % WARPGROUP
+        issuer = wtid < 32
+        # This warpgroup's accumulator is a one-warpgroup GEMM's of 64 x d/2.
+        half_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, d // 2),
+        )  # fmt: skip
+        sdQ_wg = sdQ[None, None, wg]
+        tdQsdQ = half_mma.get_slice(wtid).partition_C(sdQ_wg)
+        if issuer:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            tdQsdQ[i] = acc_dQ[i] * scale
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
+        if issuer:
+            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (TILE_M, d // 2), (m_block, wg))
+            tdQs, tdQg = cpasync.tma_partition(
+                tma_atom_dQ,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sdQ_wg, 0, 2),
+                cute.group_modes(gdQ, 0, 2),
+            )
+            cute.copy(tma_atom_dQ, tdQs, tdQg)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def add_dq(self, acc_dQ, thr_dq, mdQacc, scale, m0, head, batch, seqlen_q):
