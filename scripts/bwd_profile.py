@@ -58,6 +58,7 @@ def main():
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--versions", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--probes", nargs="*", default=[])
     parser.add_argument("--ncu", action="store_true", help="one call of the default version, no timing")
@@ -67,7 +68,9 @@ def main():
     fmul = 2.5 * 4 * args.batch * args.heads * args.seqlen**2 * args.d / (2 if args.causal else 1)
 
     def call(version):
-        return sm90_bwd.backward(q, k, v, out, dout, lse, scale, args.causal, version=version)
+        return sm90_bwd.backward(
+            q, k, v, out, dout, lse, scale, args.causal, deterministic=args.deterministic, version=version
+        )
 
     if args.ncu:
         call(None)
@@ -75,6 +78,7 @@ def main():
         return
     name = f"B{args.batch} N{args.seqlen} H{args.heads} d{args.d} {args.dtype}"
     name += " causal" if args.causal else ""
+    name += " deterministic" if args.deterministic else ""
     for version in args.versions:
         ms = time_ms(lambda version=version: call(version))
         print(f"{name} v{version}: backward() {ms:.3f} ms, {fmul / ms / 1e9:.1f} TFLOP/s")

@@ -1,11 +1,12 @@
-"""Backward pass, second version: warp-specialized (compile tier only: not yet run on a GPU).
+"""Backward pass, second version: warp-specialized (the default; GPU-tested on an H200, 2026-11-25).
 
 The first version's arithmetic (`sm90_bwd`, whose docstring defines it: S^T, P^T, dP^T, dS^T
 with the keys as rows) in the forward ws kernel's structure: one producer warp issues every
 load, two consumer warpgroups compute. A CTA owns 128 keys of one (batch, q head), consumer
 warpgroup w the keys [64w, 64w + 64), so each query block's Q and dO (64 rows) are loaded once
-per 128 keys (v1: per 64) and the dQ of 128 keys leaves in one set of atomics. Per query block
-m, each consumer warpgroup:
+per 128 keys (v1: per 64) and the dQ of 128 keys leaves in one reduce-add per warpgroup. Per
+query block m, each consumer warpgroup (LSE log2 e and D of the block's rows arrive by TMA with Q
+and dO, from the preprocess):
 
     S^T_w = K_w Q_m^T,  dP^T_w = V_w dO_m^T     SS-WGMMA, 64 keys x 64 queries (dP^T issued
                                                 before P^T is computed, so it runs beside it)
@@ -15,14 +16,17 @@ m, each consumer warpgroup:
     dQ_m[:, half w] = dS_m K[:, half w]         SS-WGMMA, M = 64 queries, N = d / 2, K = 128
                                                 keys: dS_m from both warpgroups (sdS read
                                                 transposed), K^T's columns of half w
-    dQacc[m][:, half w] += scale * that         red.global.add.v2.f32 per column pair (deterministic:
-                                                at the CTA's turn)
+    dQacc[m][:, half w] += scale * that         through sdQ[w] (fp32, 128B-swizzled) by one TMA
+                                                reduce-add (deterministic: at the CTA's turn,
+                                                complete before the turn passes)
 
 Q and dO stream through two-stage TMA pipelines (the producer runs up to two query blocks ahead),
 released when a block's last GEMM has read them. sdS has two buffers: when a warpgroup passes
 block m + 1's barrier, the other has finished block m (its dQ GEMM read sdS[m % 2] included), so
-block m + 2 may overwrite that buffer. Deterministic mode: `sm90_bwd`'s semaphores with 128-key
-blocks (one turn per CTA, both warpgroups' halves of dQ inside it).
+block m + 2 may overwrite that buffer. sdQ has one buffer per warpgroup: its first warp waits
+until the previous block's reduce-add has read it before the warpgroup writes it again.
+Deterministic mode: `sm90_bwd`'s semaphores with 128-key blocks (one turn per CTA, both
+warpgroups' halves of dQ inside it; dQ is staged in sdQ before the turn is waited for).
 
 The epilogue writes dK * scale and dV per q head (MHA: in the inputs' type), or, with GQA and not
 deterministic (`dkv_atomic`), adds them into per-kv-head fp32 sums (red.global.add.v2.f32), so
@@ -149,17 +153,13 @@ class BwdWsSm90(BwdSm90):
         row_layout = cute.make_layout(TILE_M)
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_op, mLSE, row_layout, (TILE_M,))
         tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(tma_op, mD, row_layout, (TILE_M,))
-        # dQ (not deterministic): each warpgroup's 64 x d/2 fp32 half through shared memory, added
-        # into dQacc by a TMA reduce-add (rows past the end clipped by the TMA unit).
+        # dQ: each warpgroup's 64 x d/2 fp32 half through shared memory, added into dQacc by a
+        # TMA reduce-add (rows past the end clipped by the TMA unit).
         dq_layout = smem_layout(Float32, TILE_M, d // 2, 2)
-        dq_elems = 8
-        tma_atom_dQ, tma_dQ = None, mdQacc
-        if const_expr(not self.deterministic):
-            dq_elems = cute.cosize(dq_layout)
-            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]),
-                (TILE_M, d // 2),
-            )  # fmt: skip
+        dq_box = (TILE_M, d // 2)
+        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]), dq_box
+        )
 
         @cute.struct
         class SharedStorage:
@@ -173,7 +173,7 @@ class BwdWsSm90(BwdSm90):
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 1024]
 
         grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE_N), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         self.kernel(
@@ -199,7 +199,7 @@ class BwdWsSm90(BwdSm90):
         mLSE: cute.Tensor,
         tma_atom_D: cute.CopyAtom,
         mD: cute.Tensor,
-        tma_atom_dQ: cute.CopyAtom | None,
+        tma_atom_dQ: cute.CopyAtom,
         mdQacc: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
@@ -265,9 +265,7 @@ class BwdWsSm90(BwdSm90):
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
         rows_layout = cute.make_layout((TILE_M, STAGES))
         sLSE, sD = storage.sLSE.get_tensor(rows_layout), storage.sD.get_tensor(rows_layout)
-        sdQ = None
-        if const_expr(not self.deterministic):
-            sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
+        sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(REGISTERS[0])
@@ -458,23 +456,24 @@ class BwdWsSm90(BwdSm90):
             pipe_do.consumer_release(do_state)
             do_state.advance()
 
+            # dQ into sdQ, then (deterministic: at the CTA's turn, complete before the turn passes)
+            # added into dQacc by TMA.
+            self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx)
             if const_expr(self.deterministic):
                 turn = n_block
                 if const_expr(self.causal):  # descending from the last key block m_block sees
                     n_end = cutlass.min(num_n, (m0 + TILE_M - 1 + seqlen_k - seqlen_q) // TILE_N + 1)
                     turn = n_end - 1 - n_block
                 self.wait_turn(mSem, m_block, head, batch, turn, tidx)
-                self.add_dq(acc_dQ, thr_dq, mdQacc, softmax_scale, m0, head, batch, seqlen_q)
+            self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, tidx)
+            if const_expr(self.deterministic):
                 self.pass_turn(mSem, m_block, head, batch, tidx)
-            else:
-                self.reduce_dq(acc_dQ, sdQ, tma_atom_dQ, mdQacc, softmax_scale, m_block, head, batch, tidx)
             warpgroup.wait_group(0)  # dK done: Q's stage goes back to the producer
             pipe_q.consumer_release(q_state)
             q_state.advance()
 
-        if const_expr(not self.deterministic):  # the last reduce-add has read its buffer
-            if tidx % WARPGROUP < 32:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
         out_head = head_kv if const_expr(self.dkv_atomic) else head
         self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen_k)
 
@@ -526,59 +525,42 @@ class BwdWsSm90(BwdSm90):
         cute.arch.barrier(barrier_id=BARRIER_TURN, number_of_threads=NUM_MMA_THREADS)
 
     @cute.jit
-    def reduce_dq(self, acc_dQ, sdQ, tma_atom_dQ, mdQacc, scale, m_block, head, batch, tidx):
-        """dQacc[block m_block][:, half w] += scale * acc_dQ by TMA: the warpgroup writes its half
-        into its buffer of sdQ (once the previous block's reduce-add has read it), and its first
-        warp issues the reduce-add. Not deterministic (the adds of a block's key blocks land in
-        any order)."""
+    def stage_dq(self, acc_dQ, sdQ, scale, tidx):
+        """scale * acc_dQ (this warpgroup's 64 x d/2 half of a query block's dQ) into its buffer of
+        sdQ, once the previous block's reduce-add has read it (`issue_dq`'s issuer waits)."""
         d = self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wtid = tidx % WARPGROUP
-        issuer = wtid < 32
         # This warpgroup's accumulator is a one-warpgroup GEMM's of 64 x d/2.
         half_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, 1, 1), tiler_mn=(64, d // 2),
         )  # fmt: skip
-        sdQ_wg = sdQ[None, None, wg]
-        tdQsdQ = half_mma.get_slice(wtid).partition_C(sdQ_wg)
-        if issuer:
+        tdQsdQ = half_mma.get_slice(wtid).partition_C(sdQ[None, None, wg])
+        if wtid < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             tdQsdQ[i] = acc_dQ[i] * scale
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
-        if issuer:
-            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (TILE_M, d // 2), (m_block, wg))
-            tdQs, tdQg = cpasync.tma_partition(
-                tma_atom_dQ,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sdQ_wg, 0, 2),
-                cute.group_modes(gdQ, 0, 2),
-            )
-            cute.copy(tma_atom_dQ, tdQs, tdQg)
-            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def add_dq(self, acc_dQ, thr_dq, mdQacc, scale, m0, head, batch, seqlen_q):
-        """dQacc[m0 + i, cols] += scale * acc_dQ[i, cols] by fp32 atomics, rows inside the
-        sequence, this warpgroup's half of the columns."""
-        cQ = thr_dq.partition_C(cute.make_identity_tensor((TILE_M, self.head_dim)))
-        cQ_mn = cute.make_tensor(cQ.iterator, acc_mn_layout(cQ.layout))
-        acc_mn = cute.make_tensor(acc_dQ.iterator, acc_mn_layout(acc_dQ.layout))
-        gdQ = mdQacc[None, None, head, batch]
-        pair = ir.VectorType.get([2], ir.F32Type.get())
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            q = m0 + cQ_mn[r, 0][0]
-            if q < seqlen_q:
-                # Columns c, c + 1 are adjacent (the accumulator's innermost mode): one 8-byte
-                # vector atomic (red.global.add.v2.f32) per pair.
-                for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
-                    ptr = gdQ.iterator + cute.crd2idx((q, cQ_mn[r, c][1]), gdQ.layout)
-                    lo, hi = (acc_mn[r, c + i] * scale for i in range(2))
-                    cute.arch.atomic_add(ptr, vector.from_elements(pair, [lo.ir_value(), hi.ir_value()]))
+    def issue_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, tidx):
+        """dQacc[block m_block][:, half w] += warpgroup w's sdQ buffer: one TMA reduce-add issued
+        by the warpgroup's first warp. Deterministic: waited for until its writes are done (the
+        turn passes after them); else in flight while the loop goes on."""
+        d = self.head_dim
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        if tidx % WARPGROUP < 32:
+            sdQ_wg = sdQ[None, None, wg]
+            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (TILE_M, d // 2), (m_block, wg))
+            s_grouped, g_grouped = cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
+            tdQs, tdQg = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), s_grouped, g_grouped)
+            cute.copy(tma_atom_dQ, tdQs, tdQg)
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen_k):
