@@ -1,4 +1,4 @@
-"""Backward pass, second version: warp-specialized (compile tier only: not yet run on a GPU).
+"""Backward pass, second version: warp-specialized (verified on an H200, tests/test_gpu_backward.py).
 
 The first version's arithmetic (`sm90_bwd`, whose docstring defines it: S^T, P^T, dP^T, dS^T
 with the keys as rows) in the forward ws kernel's structure: one producer warp issues every
