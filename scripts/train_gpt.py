@@ -56,7 +56,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import shlex
 import subprocess
 import sys
@@ -116,12 +115,6 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 
 def _import_hopper_fmha():
-    # hopper_fmha's backward kernel is not yet verified on a GPU, so the package only wires it into
-    # autograd when HOPPER_FMHA_BACKWARD=1 (otherwise an input that requires grad raises). This
-    # script exists to exercise that backward: opt in, unless the caller set the variable already.
-    # Set here, just before the import, rather than at module level, so that importing this script
-    # (the CPU test does) leaves the environment of the importing process alone.
-    os.environ.setdefault("HOPPER_FMHA_BACKWARD", "1")
     try:
         import hopper_fmha
     except Exception as e:
@@ -169,10 +162,7 @@ def get_attention(name: str, device: torch.device, cfg: Config) -> AttentionFn:
             raise RuntimeError("the output has no grad_fn: gradients would stop at the attention")
         out.float().square().sum().backward()
     except Exception as e:
-        env = os.environ.get("HOPPER_FMHA_BACKWARD")
-        raise CannotRun(
-            f"hopper_fmha cannot train here (HOPPER_FMHA_BACKWARD={env}): {type(e).__name__}: {e}"
-        ) from e
+        raise CannotRun(f"hopper_fmha cannot train here: {type(e).__name__}: {e}") from e
     if not all(t.grad is not None and bool(t.grad.isfinite().all()) for t in (q, k, v)):
         raise CannotRun("hopper_fmha's backward gave missing or non-finite gradients in the preflight check")
     return fn
@@ -454,7 +444,6 @@ def environment(device: torch.device, hopper_loaded: bool) -> dict:
         env["hopper_fmha"] = version("hopper-fmha")
     except PackageNotFoundError:
         env["hopper_fmha"] = sys.modules["hopper_fmha"].__version__ if hopper_loaded else None
-    env["HOPPER_FMHA_BACKWARD"] = os.environ.get("HOPPER_FMHA_BACKWARD")
 
     def git(*args: str) -> str | None:
         try:

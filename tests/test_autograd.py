@@ -8,6 +8,8 @@ tests check the op wiring, the LSE's gradient, GQA's reduction, the refusals and
 against torch's autograd of the reference. The kernel itself: tests/test_gpu_backward.py.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -61,7 +63,6 @@ def cpu_kernels(monkeypatch):
     monkeypatch.setattr(interface, "_check_device", lambda q, k, v: None)
     monkeypatch.setattr(interface, "_launch", fake_launch)
     monkeypatch.setattr(backward, "_launch_backward", fake_backward)
-    monkeypatch.setenv(backward.ENV, "1")
     return launches
 
 
@@ -164,21 +165,22 @@ def test_no_grad_and_inference_mode_take_the_plain_path(cpu_kernels):
         assert flash_attn_func(q, k, v).grad_fn is None
 
 
-def test_backward_off_until_verified(cpu_kernels, monkeypatch):
-    # Without HOPPER_FMHA_BACKWARD=1 a differentiable call still raises (the kernel is not yet
-    # verified on a GPU), before anything runs; no_grad calls are unaffected.
-    monkeypatch.delenv(backward.ENV)
+def test_backward_is_on_by_default(cpu_kernels, monkeypatch):
+    # The backward needs no switch: with no HOPPER_FMHA_* environment variable set, a call where
+    # any one of q, k, v requires grad returns an output with a grad_fn, and its gradient is the
+    # reference's.
+    for name in [n for n in os.environ if n.startswith("HOPPER_FMHA")]:
+        monkeypatch.delenv(name)
     q, k, v = leaves()
     for i in range(3):
         args = [t.detach() for t in (q, k, v)]
         args[i].requires_grad_()
-        match = r"not been verified on a GPU.*torch\.no_grad\(\).*HOPPER_FMHA_BACKWARD=1"
-        with pytest.raises(RuntimeError, match=match):
-            flash_attn_func(*args)
-    assert not cpu_kernels["fwd"]
-    with torch.no_grad():
-        flash_attn_func(q, k, v)
-    assert len(cpu_kernels["fwd"]) == 1
+        out = flash_attn_func(*args, causal=True)
+        assert out.grad_fn is not None and cpu_kernels["fwd"][-1]["exact_lse"] is True
+        dout = torch.randn_like(out)
+        (grad,) = torch.autograd.grad(out, args[i], dout)
+        torch.testing.assert_close(grad, reference_grads(*args, True, dout)[i], **TOL)
+    assert len(cpu_kernels["fwd"]) == len(cpu_kernels["bwd"]) == 3
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """The bench's backward pieces on CPU: training problems (FLOPs 2.5x and 3.5x the forward's,
 labels, dicts, bytes), the `backward` preset and its backends, the inputs' dout, the autograd call
-every backend is timed through (the forward outside the timed call for "bwd", our backward's
-environment variable), the gradient check, the report's pass column, summary and note, and a
-whole run with stand-in backends (one correct peer, one wrong, one whose backward raises)."""
+every backend is timed through (the forward outside the timed call for "bwd", ours called on
+inputs that require grad with no environment variable set), the gradient check, the report's pass
+column, summary and note, and a whole run with stand-in backends (one correct peer, one wrong, one
+whose backward raises)."""
 
 import argparse
 import dataclasses
@@ -16,7 +17,7 @@ import torch
 from hopper_fmha.bench import cli as bench_cli
 from hopper_fmha.bench import plots, presets, registry, report, runner, timing
 from hopper_fmha.bench.flops import BWD, FWD, FWD_BWD, attention_flops, pass_flops
-from hopper_fmha.bench.registry import OUR_BACKWARD_ENV, Backend, Problem
+from hopper_fmha.bench.registry import Backend, Problem
 from hopper_fmha.reference import reference
 
 pytestmark = pytest.mark.cpu
@@ -104,7 +105,8 @@ def test_backward_preset_grid_and_backends():
     # `hopper-fmha bench --help` lists it, among the choices and in the presets' descriptions.
     text = _bench_help()
     assert "{backward,decode,features,host,paper,sweep,tiles,varlen}" in text
-    assert "\n  backward the paper's problems" in text and "HOPPER_FMHA_BACKWARD=1" in text
+    assert "\n  backward the paper's problems" in text
+    assert "backends hopper-fmha:auto, fa4, sdpa-cudnn, sdpa-flash, all through autograd" in text
 
 
 # ---- inputs and the autograd call ----
@@ -171,24 +173,25 @@ def test_autograd_call_matches_layouts_and_first_outputs(monkeypatch):
     assert all(torch.equal(g, w) for g, w in zip(grads, _torch_grads(SMALL, *sets), strict=True))
 
 
-def test_ours_gets_the_backward_environment_variable_before_its_call(monkeypatch):
+def test_ours_is_called_on_inputs_that_require_grad_with_the_environment_untouched(monkeypatch):
+    # Our backward is on by default: the bench calls flash_attn_func on leaves that require grad,
+    # in grad mode, and sets no environment variable for it (nor does a peer's call).
     import hopper_fmha
 
-    monkeypatch.delenv(OUR_BACKWARD_ENV, raising=False)  # restored after the test
+    environ = dict(os.environ)
     seen = []
 
     def ours(q, k, v, causal=False, return_lse=False, variant=None, tile=None):
-        seen.append((os.environ.get(OUR_BACKWARD_ENV), q.requires_grad))
+        seen.append((q.requires_grad, k.requires_grad, v.requires_grad, torch.is_grad_enabled()))
         return runner.lowp_attention(q, k, v, causal)
 
     monkeypatch.setattr(hopper_fmha, "flash_attn_func", ours)
     (auto,) = registry.get_backend("hopper-fmha:auto")
     sets = runner.make_inputs(SMALL, 1, "cpu", seed=3)[0]
-    # A peer does not touch it.
     registry.REGISTRY["sdpa-flash"].make(SMALL, *sets)
-    assert OUR_BACKWARD_ENV not in os.environ
     grads = auto.make(SMALL, *sets)()
-    assert seen == [("1", True)]  # set before the forward, which saw inputs that require grad
+    assert seen == [(True, True, True, True)]  # the forward, once, before the timed grad
+    assert dict(os.environ) == environ
     assert runner.make_checker(SMALL, *sets, reference=reference).check(grads)["passed"]
 
 
@@ -347,12 +350,11 @@ class _NoBackward(torch.autograd.Function):
 def test_whole_backward_run_on_cpu(tmp_path, monkeypatch):
     import hopper_fmha
 
-    monkeypatch.delenv(OUR_BACKWARD_ENV, raising=False)
     monkeypatch.setattr(runner, "collect_env", lambda device: {**_backward_results()["env"], "device": "cpu"})
     seen = []
 
     def ours(q, k, v, causal=False, return_lse=False, variant=None, tile=None):  # stands in for the kernel
-        seen.append(os.environ.get(OUR_BACKWARD_ENV))
+        seen.append(q.requires_grad and torch.is_grad_enabled())
         return runner.lowp_attention(q, k, v, causal)
 
     monkeypatch.setattr(hopper_fmha, "flash_attn_func", ours)
@@ -385,7 +387,7 @@ def test_whole_backward_run_on_cpu(tmp_path, monkeypatch):
         timer=timing.CpuTimer(), reference=reference,
     )  # fmt: skip
     assert code == 0  # ours correct everywhere; the failing and wrong peers are reported, not fatal
-    assert seen and set(seen) == {"1"}
+    assert seen and all(seen)  # ours ran on inputs that require grad, in grad mode
     (json_path,) = tmp_path.glob("backward-*.json")
     results = report.load_results(json_path)
     assert results["complete"] and len(results["records"]) == len(problems) * len(backends)

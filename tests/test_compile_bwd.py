@@ -1,7 +1,7 @@
 """Compile tier, the backward kernels (`kernels/sm90_bwd.py` v1, `kernels/sm90_bwd_ws.py` v2): each
 (dtype, head dim, mask, deterministic) compiles for sm_90a without spills, with its five GEMMs as
-WGMMAs: S^T, dP^T and dQ from shared memory, dV and dK with A from registers. Not yet run on a GPU
-(tests/test_gpu_backward.py)."""
+WGMMAs: S^T, dP^T and dQ from shared memory, dV and dK with A from registers. The GPU tier:
+tests/test_gpu_backward.py."""
 
 import tempfile
 

@@ -423,10 +423,12 @@ def test_grid_limits_large_batch_and_heads(hopper_gpu, variant, causal, axis, si
     assert_close_to_reference(q, k, v, config.default_softmax_scale(64), causal, out, lse)
 
 
-def test_inputs_requiring_grad_raise_until_the_backward_is_verified(hopper_gpu, monkeypatch):
+def test_inputs_requiring_grad(hopper_gpu):
+    # The backward is on by default: a call it serves returns an output with a grad_fn (the same
+    # forward, checked against the reference) whose gradient runs; one it does not serve (d96,
+    # softcap) raises NotImplementedError naming the rule. The gradients' values:
+    # tests/test_gpu_backward.py. Under no_grad / inference_mode the output is unchanged.
     import hopper_fmha
-
-    monkeypatch.delenv("HOPPER_FMHA_BACKWARD", raising=False)
 
     q, k, v = make_inputs(1, 64, 64, 2, 2, 64, torch.float16, seed=3)
     with torch.no_grad():
@@ -434,12 +436,24 @@ def test_inputs_requiring_grad_raise_until_the_backward_is_verified(hopper_gpu, 
     for name in ("q", "k", "v"):
         args = {"q": q, "k": k, "v": v}
         args[name] = args[name].clone().requires_grad_()
-        with pytest.raises(RuntimeError, match=r"not been verified on a GPU.*torch\.no_grad\(\)"):
-            hopper_fmha.flash_attn_func(**args)
+        out, lse = hopper_fmha.flash_attn_func(**args, return_lse=True)
+        assert out.grad_fn is not None
+        assert_close_to_reference(
+            q, k, v, config.default_softmax_scale(64), False, out.detach(), lse.detach()
+        )
+        (grad,) = torch.autograd.grad(out, args[name], torch.randn_like(out))
+        assert grad.shape == args[name].shape and torch.isfinite(grad).all() and grad.abs().max() > 0
+        with pytest.raises(
+            NotImplementedError, match=r"window_size, softcap or learnable_sink.*torch\.no_grad"
+        ):
+            hopper_fmha.flash_attn_func(**args, softcap=5.0)
         with torch.no_grad():
             assert torch.equal(hopper_fmha.flash_attn_func(**args), expected)
         with torch.inference_mode():
             assert torch.equal(hopper_fmha.flash_attn_func(**args), expected)
+    q, k, v = make_inputs(1, 64, 64, 2, 2, 96, torch.float16, seed=3)
+    with pytest.raises(NotImplementedError, match=r"head_dim 64 and 128.*got head_dim 96"):
+        hopper_fmha.flash_attn_func(q.requires_grad_(), k, v)
 
 
 # The returned LSE against a float64 one, within 1e-4 absolute. softmax_scale = 1 makes a few

@@ -391,23 +391,42 @@ def test_outputs_and_launch_arguments(cpu_kernel, causal):
     assert cpu_kernel[-1]["exact_lse"] is False  # not returned: the kernel may take its fast path
 
 
-def test_inputs_requiring_grad_are_refused_until_the_backward_is_verified(cpu_kernel, monkeypatch):
+@pytest.mark.parametrize(
+    "head_dim, kwargs, match",
+    [
+        (64, None, None),
+        (128, None, None),
+        (96, {}, "head_dim 64 and 128"),
+        (256, {}, "head_dim 64 and 128"),
+        (64, dict(softcap=5.0), "window_size, softcap or learnable_sink"),
+    ],
+    ids=["d64", "d128", "d96", "d256", "softcap"],
+)
+def test_inputs_requiring_grad(cpu_kernel, head_dim, kwargs, match):
     # An output without a grad_fn would silently cut the graph: the layers before the attention
-    # would never learn. Under no_grad / inference_mode nothing changes. (With the backward turned
-    # on: tests/test_autograd.py.)
-    monkeypatch.delenv("HOPPER_FMHA_BACKWARD", raising=False)
-    q, k, v = qkv()
+    # would never learn. A call the backward serves gets a grad_fn (its gradients:
+    # tests/test_autograd.py); one it does not serve raises NotImplementedError naming the rule,
+    # before the forward runs. Under no_grad / inference_mode every call runs, without a grad_fn.
+    q, k, v = qkv(head_dim=head_dim)
+    kwargs = kwargs if kwargs is not None else {}
     for name in ("q", "k", "v"):
         args = {"q": q, "k": k, "v": v}
         args[name] = args[name].clone().requires_grad_()
-        with pytest.raises(RuntimeError, match=r"not been verified on a GPU.*torch\.no_grad\(\)"):
-            flash_attn_func(**args)
+        launched = len(cpu_kernel)
+        if match is None:
+            out = flash_attn_func(**args, **kwargs)
+            assert out.grad_fn is not None and len(cpu_kernel) == launched + 1
+            assert cpu_kernel[-1]["exact_lse"] is True  # the backward's input
+        else:
+            with pytest.raises(NotImplementedError, match=match + r".*torch\.no_grad\(\)"):
+                flash_attn_func(**args, **kwargs)
+            assert len(cpu_kernel) == launched  # refused before the forward
         with torch.no_grad():
-            out = flash_attn_func(**args)
+            out = flash_attn_func(**args, **kwargs)
         assert not out.requires_grad
         with torch.inference_mode():
-            flash_attn_func(**args)
-    assert len(cpu_kernel) == 6
+            flash_attn_func(**args, **kwargs)
+    assert len(cpu_kernel) == (9 if match is None else 6)
 
 
 def test_tile_and_scale_reach_kernel(cpu_kernel):
@@ -517,13 +536,16 @@ def test_paper_variant_refuses_score_features():
             flash_attn_func(*qkv(), variant="paper", **kwargs)
 
 
-def test_sink_requiring_grad_is_refused(cpu_kernel, monkeypatch):
-    monkeypatch.delenv("HOPPER_FMHA_BACKWARD", raising=False)
+def test_sink_requiring_grad_is_refused(cpu_kernel):
+    # The backward has no learnable sink: a sink that requires grad (q, k, v not) makes the call
+    # differentiable, and it is refused naming the rule, before the forward.
     sink = torch.zeros(4, requires_grad=True)
-    with pytest.raises(RuntimeError, match="not been verified on a GPU"):
+    with pytest.raises(NotImplementedError, match="window_size, softcap or learnable_sink"):
         flash_attn_func(*qkv(), learnable_sink=sink)
+    assert not cpu_kernel
     with torch.no_grad():
         flash_attn_func(*qkv(), learnable_sink=sink)
+    assert len(cpu_kernel) == 1
 
 
 @pytest.mark.parametrize(

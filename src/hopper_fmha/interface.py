@@ -80,8 +80,6 @@ def flash_attn_func(
     Gradients: in grad mode with an input that requires grad, the output has a grad_fn (the
     backward kernel, `hopper_fmha.backward`: head_dim 64/128, causal or not, MHA/GQA/MQA; a
     differentiable call it does not serve raises NotImplementedError before the forward runs).
-    The backward kernel is not yet verified on a GPU and is off unless HOPPER_FMHA_BACKWARD=1;
-    until then such a call raises RuntimeError.
     """
     scale, cfg = _validate(q, k, v, softmax_scale, causal, variant, tile)
     features = None

@@ -45,9 +45,9 @@ presets:
           ours ÷ best peer, % of a device-to-device copy, paged ÷ dense (8 problems)
   backward the paper's problems (fp16; --dtype fp16 bf16 for both), each timed as "bwd" (the
           backward alone: torch.autograd.grad after one untimed forward) and "fwd+bwd";
-          backends hopper-fmha:auto (the bench sets HOPPER_FMHA_BACKWARD=1), fa4, sdpa-cudnn,
-          sdpa-flash, all through autograd, eager time only; FLOPs 2.5x / 3.5x the forward's;
-          dq, dk, dv checked against the fp32 reference (12 problems)
+          backends hopper-fmha:auto, fa4, sdpa-cudnn, sdpa-flash, all through autograd, eager
+          time only; FLOPs 2.5x / 3.5x the forward's; dq, dk, dv checked against the fp32
+          reference (12 problems)
   features the forward's score features and head dims, bf16, each after its twin without the
           feature: sliding window (B1 N32768 d128 H16 causal, then window (4096, 0); FLOPs on the
           visible pairs), softcap 30 (B4 N4096 d128 H16, causal off/on), d96 and d192/dv128 (B4

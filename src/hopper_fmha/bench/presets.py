@@ -42,11 +42,9 @@ backward: the paper's shape (B=4, N=4096, hidden 2048: d64/H32, d128/H16, d256/H
        dout, retain_graph=True)` timed, dout random), and "fwd+bwd", the forward then that grad
        (`registry.autograd_call`). FLOPs 2.5 and 3.5 times the forward's (FlashAttention's
        convention, causal halved as the forward's). Backends, all through autograd: ours
-       (`hopper-fmha:auto`, flash_attn_func; the bench sets HOPPER_FMHA_BACKWARD=1, without
-       which it refuses inputs that require grad, its backward being not yet verified on a GPU),
-       FA4, cuDNN (SDPA) and FA2 (`sdpa-flash`, PyTorch's FlashAttention-2, the registry's "fa2").
-       Timed eagerly only (`runner.TRAINING_NOT_CAPTURED`); dq, dk, dv checked against the fp32
-       reference's (`runner.GradChecker`).
+       (`hopper-fmha:auto`, flash_attn_func), FA4, cuDNN (SDPA) and FA2 (`sdpa-flash`, PyTorch's
+       FlashAttention-2, the registry's "fa2"). Timed eagerly only (`runner.TRAINING_NOT_CAPTURED`);
+       dq, dk, dv checked against the fp32 reference's (`runner.GradChecker`).
 features: the forward's score features and head dims, bf16, kv heads = heads, each feature
        problem after its twin without the feature (`feature_twin`): (a) sliding window: B=1,
        N=32768, d128 H16 (hidden 2048), causal, then causal with window_size (4096, 0) (left

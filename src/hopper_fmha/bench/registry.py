@@ -43,9 +43,7 @@ Training problems (`Problem.passes` "bwd" or "fwd+bwd", the `backward` preset) t
 (q, k, v, dout) and run every backend's dense `build` through autograd (`autograd_call`): the
 backward alone (the forward run once beforehand, untimed) or the forward then the backward, each
 call returning (dq, dk, dv). The backends that build no dense forward (`hopper-fmha:padded`,
-`copy`) skip them. Our flash_attn_func takes inputs that require grad only where the environment
-variable HOPPER_FMHA_BACKWARD is "1" (its backward is not yet verified on a GPU): `autograd_call`
-sets it before building a call of ours.
+`copy`) skip them.
 
 Score features (`Problem.window_size`, `softcap`, `sink`, the `features` preset) and v's head dim
 (`Problem.head_dim_v`), dense forward problems only: each backend gets them through its own
@@ -67,7 +65,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -428,11 +425,6 @@ def first_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-# Our flash_attn_func runs its backward only where this environment variable is "1": the backward
-# kernel has not been verified on a GPU yet. `autograd_call` sets it before building our call.
-OUR_BACKWARD_ENV = "HOPPER_FMHA_BACKWARD"
-
-
 def autograd_call(backend: Backend, p: Problem, q, k, v, dout) -> Callable[[], Any]:
     """A training problem's call on one input set (q, k, v, dout), built the same way for every
     backend: its forward (`backend.build`) on leaves that require grad (q, k, v detached), then
@@ -442,15 +434,10 @@ def autograd_call(backend: Backend, p: Problem, q, k, v, dout) -> Callable[[], A
 
     passes "bwd": the forward runs once here, outside the timed call, and the call is the grad
     alone, with retain_graph=True so that it can be repeated; "fwd+bwd": the call runs the forward
-    then the grad. Before building a backend of ours this sets HOPPER_FMHA_BACKWARD=1 in the
-    process's environment (`OUR_BACKWARD_ENV`), which our flash_attn_func needs to take inputs
-    that require grad while its backward has not been verified on a GPU; it stays set for the
-    rest of the run. Whatever raises here (the forward included, for "bwd") reaches the runner,
+    then the grad. Whatever raises here (the forward included, for "bwd") reaches the runner,
     which reports the backend as skipped for this problem."""
     import torch
 
-    if backend.ours:
-        os.environ[OUR_BACKWARD_ENV] = "1"
     leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
     forward = backend.build(p, *leaves)
     grad_out = dout.transpose(1, 2) if backend.layout == "bhsd" else dout

@@ -1,4 +1,5 @@
-"""Backward pass, second version: warp-specialized (the default; GPU-tested on an H200, 2026-11-25).
+"""Backward pass, second version: warp-specialized (the default; verified on an H200 2026-11-25,
+tests/test_gpu_backward.py).
 
 The first version's arithmetic (`sm90_bwd`, whose docstring defines it: S^T, P^T, dP^T, dS^T
 with the keys as rows) in the forward ws kernel's structure: one producer warp issues every
