@@ -177,7 +177,9 @@ def test_no_keys_or_no_queries_launch_nothing(kernels):
 @pytest.mark.parametrize("kernel", [True, False], ids=["preprocess", "torch"])
 def test_row_stats_are_padded_to_whole_blocks(kernels, monkeypatch, kernel):
     # D and LSE log2 e as both kernels read them: 130 rows padded to 192 (3 blocks of 64), the
-    # padding and a row without keys at 0 / +inf; the same from the preprocess and from torch.
+    # padding and a row without keys at 0 / +inf. "torch" checks the fallback's values; "preprocess"
+    # only the host side around the kernel (allocation, arguments), the kernel being the fixture's
+    # stand-in here (the kernel itself: test_gpu_backward.py::test_preprocess_kernel_matches_torch).
     monkeypatch.setattr(sm90_bwd, "PREPROCESS_KERNEL", kernel)
     q, k, v, out, dout, lse = inputs(sq=130)
     lse = lse.clone()

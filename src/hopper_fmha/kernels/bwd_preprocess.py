@@ -12,8 +12,8 @@ subtracted when given: d lse / d s = P, so it enters dS = P (dP - D) through D.
 
 The outputs are (b, h, s_pad) with s_pad >= s_q (the host takes a multiple of 64, so each head's
 row is 256-byte aligned and a 64-row block is one TMA box): rows past s_q get D = 0 and
-LSE log2 e = +inf, as do rows without keys (LSE = -inf), so P = exp2(S log2 e scale - that) = 0
-there without a test in the backward's loop.
+LSE log2 e = +inf, and rows without keys (LSE = -inf) LSE log2 e = +inf (their D is computed as
+any row's), so P = exp2(S log2 e scale - that) = 0 there without a test in the backward's loop.
 
 Compile-time: dtype, head_dim_v (a multiple of 8 up to 256) and whether dLSE is given. Batch,
 lengths, heads and strides are runtime values.

@@ -19,8 +19,8 @@ operand A for dV and dK (FlashAttention-3's choice); only dQ needs dS through sh
 
 The epilogue writes dK_n * scale and dV_n in fp32 per q head; the host sums a GQA group's heads
 into their kv head and casts (`kernels.backward`). D = rowsum(dO * O) (minus the LSE's own gradient
-where the caller used the LSE) and the zeroed fp32 dQ accumulator come from the host (torch), as
-does dQ = cast(dQacc).
+where the caller used the LSE) and LSE log2 e come from the preprocess kernel (`row_stats`), the
+zeroed fp32 dQ accumulator and dQ = cast(dQacc) from torch.
 
 Deterministic mode (FlashAttention-3's semaphores, the order of `emulate_bwd.dq_order`): each query
 block m has an int32 counter, zeroed by the host; the CTA of key block n adds its dQ contribution
@@ -33,8 +33,8 @@ blockIdx.x takes key block num_n - 1 - blockIdx.x (the later key blocks first), 
 holds an SM that a CTA it waits for would need.
 
 Layout of the arguments: Q, dO (b, s_q, h, d); K, V (b, s_k, h_kv, d) 16-bit; LSE log2 e and D
-(b, h, s_pad) float32 from the preprocess (`bwd_preprocess`: s_pad a multiple of 64, +inf and 0 for
-rows past s_q and rows without keys); dQacc (b, s_q, h, d), dK, dV (b, s_k, h, d)
+(b, h, s_pad) float32 from the preprocess (`bwd_preprocess`: s_pad a multiple of 64; +inf and 0
+for rows past s_q, LSE log2 e +inf for rows without keys); dQacc (b, s_q, h, d), dK, dV (b, s_k, h, d)
 float32; the semaphores (b, h, ceil(s_q / 64)) int32, deterministic mode only (else None).
 """
 
@@ -335,7 +335,8 @@ class BwdSm90:
 
     @cute.jit
     def pass_turn(self, mSem, m_block, head, batch, tidx):
-        """Every thread's dQ additions made visible at GPU scope, then the counter moves on."""
+        """The CTA's dQ additions made visible at GPU scope (v1: every thread's atomics; v2: its
+        issuing threads' reduce-adds, waited for to completion), then the counter moves on."""
         cute.arch.fence_acq_rel_gpu()
         self.sync_turn()
         if tidx == 0:

@@ -133,7 +133,7 @@ class BwdWsSm90(BwdSm90):
         stream: cuda.CUstream,
     ):
         d = self.head_dim
-        # Sequence first, as TMA and WGMMA take them: (s, d, h, b); LSE and D (s, h, b).
+        # Sequence first, as TMA and WGMMA take them: (s, d, h, b); LSE log2 e and D (s_pad, h, b).
         mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
             for t in (mQ, mK, mV, mdO, mdQacc, mdK, mdV)
@@ -431,7 +431,7 @@ class BwdWsSm90(BwdSm90):
 
             # Three commit groups, in this order: dV (needs only this warpgroup's P), then, once
             # both warpgroups' dS^T are in sdS, dQ, then dK. wait_group(1) leaves dK running while
-            # dQ's atomics go out.
+            # dQ is staged in sdQ and its reduce-add is issued.
             tVrP = cute.make_tensor(rP.iterator, acc_to_operand_a_layout(rP.layout))
             tKrdS = cute.make_tensor(rdS.iterator, acc_to_operand_a_layout(rdS.layout))
             gemm(
@@ -480,8 +480,8 @@ class BwdWsSm90(BwdSm90):
 
     @cute.jit
     def load_rows(self, tScS, sRows, stage):
-        """This thread's query columns' values from a stage of sLSE or sD (the preprocess's: +inf
-        and 0 past the end and for rows without keys, so P = 0 there)."""
+        """This thread's query columns' values from a stage of sLSE or sD (the preprocess's: LSE
+        log2 e is +inf past the end and for rows without keys, so P = 0 there; D is 0 past the end)."""
         cols = cute.size(tScS, mode=[1])
         values = cute.make_rmem_tensor((cols,), Float32)
         for c in cutlass.range_constexpr(cols):
