@@ -9,12 +9,12 @@ runs one call only, for `ncu --kernel-name regex:BwdWsSm90`.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import cutlass.cute as cute
 import torch
 
 from hopper_fmha import flash_attn_func
+from hopper_fmha.cli import _time_ms
 from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
 
 
@@ -38,18 +38,8 @@ def inputs(args):
     return q, k, v, out, dout, lse
 
 
-def time_ms(fn, iters=20):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_ms(fn):
+    return _time_ms(fn, warmup=3, repeats=20)  # the CLI demo's: median of CUDA-event times
 
 
 def main():
