@@ -22,19 +22,25 @@ pytestmark = pytest.mark.cpu
 TOL = dict(rtol=1e-2, atol=1e-2)
 
 
-def dense_backward(q, k, v, out, dout, lse, dlse, scale, causal):
+def dense_backward(q, k, v, out, dout, lse, dlse, scale, causal, window=(-1, -1), softcap=0.0):
     """The backward kernel's contract, densely in float64: P = exp(S - lse), dV = P^T dO,
-    dS = P (dO V^T - D), dQ = scale dS K, dK = scale dS^T Q; GQA heads summed into their kv head."""
+    dS = P (dO V^T - D), dQ = scale dS K, dK = scale dS^T Q; GQA heads summed into their kv head.
+    A window hides keys (P = 0); softcap makes S = cap tanh(scale QK^T / cap) and multiplies dS by
+    its derivative 1 - tanh^2."""
     q, k, v, dout = (t.double() for t in (q, k, v, dout))
     group = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    dtanh = 1.0
+    if softcap:
+        t = torch.tanh(s / softcap)
+        s, dtanh = softcap * t, 1.0 - t * t
     sq, sk = q.shape[1], k.shape[1]
-    seen = visible_keys(torch.arange(sq), sq, sk, -1, 0 if causal else -1)
+    seen = visible_keys(torch.arange(sq), sq, sk, window[0], 0 if causal else window[1])
     p = torch.where(seen, torch.exp(s - lse.double()[..., None]), 0.0)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
     dp = torch.einsum("bqhd,bkhd->bhqk", dout, vv)
-    ds = p * (dp - backward.row_delta(out, dout, dlse).double()[..., None])
+    ds = p * (dp - backward.row_delta(out, dout, dlse).double()[..., None]) * dtanh
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
 
@@ -50,15 +56,27 @@ def cpu_kernels(monkeypatch):
     launches = {"fwd": [], "bwd": []}
 
     def fake_launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse, features=None):
-        o, l = reference(q, k, v, softmax_scale, causal)
+        kwargs = {}
+        if features is not None:
+            kwargs = dict(
+                window_size=(features.left, features.right),
+                softcap=features.softcap,
+                learnable_sink=features.sink,
+            )
+        o, l = reference(q, k, v, softmax_scale, causal, **kwargs)
         out.copy_(o)
         lse.copy_(l)
         launches["fwd"].append(dict(exact_lse=exact_lse, features=features))
 
-    def fake_backward(q, k, v, out, dout, lse, dlse, softmax_scale, causal, deterministic):
+    def fake_backward(q, k, v, out, dout, lse, dlse, scale, causal, deterministic, window, softcap, sink):
         assert lse.dtype == torch.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-        launches["bwd"].append(dict(dlse=dlse, deterministic=deterministic, causal=causal, dout=dout))
-        return dense_backward(q, k, v, out, dout, lse, dlse, softmax_scale, causal)
+        launches["bwd"].append(
+            dict(dlse=dlse, deterministic=deterministic, causal=causal, dout=dout, window=window, sink=sink)
+        )
+        grads = dense_backward(q, k, v, out, dout, lse, dlse, scale, causal, window, softcap)
+        if sink is None:
+            return grads
+        return grads + (backward.sink_gradient(lse, backward.row_delta(out, dout, dlse), sink),)
 
     monkeypatch.setattr(interface, "_check_device", lambda q, k, v: None)
     monkeypatch.setattr(interface, "_launch", fake_launch)
@@ -72,14 +90,16 @@ def leaves(batch=2, seqlen_q=37, seqlen_k=45, heads=4, kv_heads=2, head_dim=64, 
     return [torch.randn(batch, s, h, head_dim, generator=g).to(dtype).requires_grad_() for s, h in shapes]
 
 
-def reference_grads(q, k, v, causal, dout, dlse=None):
-    """torch's autograd of the float64 reference, cast to the inputs' dtype."""
+def reference_grads(q, k, v, causal, dout, dlse=None, learnable_sink=None, **features):
+    """torch's autograd of the float64 reference, cast to the inputs' dtype (the sink's: float64)."""
     ins = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out, lse = reference(*ins, causal=causal, dtype=torch.float64)
+    sink = None if learnable_sink is None else learnable_sink.detach().double().requires_grad_()
+    out, lse = reference(*ins, causal=causal, dtype=torch.float64, learnable_sink=sink, **features)
     loss = (out * dout.double()).sum()
     if dlse is not None:
         loss = loss + (lse * dlse.double()).sum()
-    return [g.to(q.dtype) for g in torch.autograd.grad(loss, ins)]
+    grads = torch.autograd.grad(loss, ins + ([sink] if sink is not None else []))
+    return [g.to(q.dtype) for g in grads[:3]] + list(grads[3:])
 
 
 def test_row_delta_is_the_gradient_of_out_and_lse():
@@ -184,15 +204,75 @@ def test_backward_is_on_by_default(cpu_kernels, monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "causal, features",
+    [
+        (True, dict(window_size=(8, -1))),
+        (False, dict(window_size=(8, 0))),
+        (False, dict(window_size=(5, 3))),
+        (False, dict(window_size=(-1, 4))),
+        (False, dict(window_size=(20, -1))),
+        (False, dict(softcap=5.0)),
+        (True, dict(softcap=2.0, window_size=(6, -1))),
+        (False, dict(learnable_sink="sink")),
+        (True, dict(learnable_sink="sink", softcap=5.0, window_size=(7, 0))),
+    ],
+    ids=["causal-left", "window-causal", "window-both", "window-right", "window-left", "softcap",
+         "softcap-causal-left", "sink", "all"],
+)  # fmt: skip
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_score_features_have_gradients(cpu_kernels, causal, features, kv_heads):
+    # Windows, softcap and the sink reach the backward as the forward ran them (the window's sides
+    # resolved, causal as the right limit 0); the gradients of q, k, v and the sink are those of
+    # torch's autograd of the reference, the LSE's gradient included.
+    q, k, v = leaves(kv_heads=kv_heads)
+    sink = None
+    if features.get("learnable_sink") == "sink":
+        sink = torch.randn(4, generator=torch.Generator().manual_seed(5)).requires_grad_()
+        features = dict(features, learnable_sink=sink)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, **features)
+    g = torch.Generator().manual_seed(4)
+    dout = torch.randn(out.shape, generator=g).to(out.dtype)
+    dlse = torch.randn(lse.shape, generator=g)
+    ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    ref = reference_grads(q, k, v, causal, dout, dlse, **features)
+    for name, ours, r in zip("qkv", (q.grad, k.grad, v.grad), ref, strict=False):
+        torch.testing.assert_close(ours, r, **TOL, msg=name)
+    if sink is not None:
+        assert sink.grad.shape == sink.shape and sink.grad.dtype == sink.dtype
+        torch.testing.assert_close(sink.grad.double(), ref[3], rtol=1e-3, atol=1e-3)
+    else:
+        assert cpu_kernels["bwd"][-1]["sink"] is None
+    # The features reached the backward: a window changes the gradients (checked against the
+    # reference above); here that the backward got the forward's sides.
+    fwd = cpu_kernels["fwd"][-1]["features"]
+    assert cpu_kernels["bwd"][-1]["window"] == (fwd.left, fwd.right)
+
+
+def test_sink_gradient_only_when_wanted(cpu_kernels):
+    # A sink that does not require grad: the backward runs without it (no dsink is made).
+    q, k, v = leaves()
+    flash_attn_func(q, k, v, learnable_sink=torch.zeros(4)).sum().backward()
+    assert cpu_kernels["bwd"][-1]["sink"] is None and q.grad is not None
+
+
+def test_sink_gradient_without_keys(cpu_kernels):
+    # No keys: out = 0, lse = the sink; only the LSE's gradient reaches the sink (p_sink = 1).
+    q, k, v = leaves(seqlen_k=0)
+    sink = torch.randn(4).requires_grad_()
+    out, lse = flash_attn_func(q, k, v, learnable_sink=sink, return_lse=True)
+    dlse = torch.randn(lse.shape)
+    (out.float().sum() + (lse * dlse).sum()).backward()
+    torch.testing.assert_close(sink.grad, dlse.sum(dim=(0, 2)))
+    assert not cpu_kernels["bwd"] and not q.grad.any()
+
+
+@pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(window_size=(8, 0)), "window_size, softcap or learnable_sink"),
-        (dict(softcap=5.0), "window_size, softcap or learnable_sink"),
-        (dict(learnable_sink=torch.zeros(4)), "window_size, softcap or learnable_sink"),
         (dict(head_dim=96), "head_dim 64 and 128"),
         (dict(head_dim=256), "head_dim 64 and 128"),
     ],
-    ids=["window", "softcap", "sink", "d96", "d256"],
+    ids=["d96", "d256"],
 )
 def test_unsupported_backward_is_refused_before_the_forward(cpu_kernels, kwargs, match):
     head_dim = kwargs.pop("head_dim", 64)

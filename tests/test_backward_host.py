@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from hopper_fmha.reference import reference
+from hopper_fmha.reference import reference, visible_keys
 
 pytestmark = pytest.mark.cpu
 
@@ -19,23 +19,33 @@ from hopper_fmha.kernels import bwd_preprocess  # noqa: E402
 from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
 
 
-def dense_kernel(launches, atomic: bool):
-    """A stand-in for a compiled backward kernel: the same 12 arguments, its part of the work
-    done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks),
-    written where the kernel writes."""
+def dense_kernel(launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False):
+    """A stand-in for a compiled backward kernel: the same 15 arguments, its part of the work
+    done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks;
+    the mask and softcap the compile key names, their sizes from the launch), written where the
+    kernel writes."""
 
-    def run(q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group):
-        launches.append(dict(q=q, dk=dk, sem=sem, group=group, lse2=lse2, delta=delta))
+    def run(q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group, left, right, softcap):
+        window = (left, right)
+        launches.append(
+            dict(q=q, dk=dk, sem=sem, group=group, lse2=lse2, delta=delta, window=window, softcap=softcap)
+        )
         assert lse2.shape[-1] % 64 == 0 and lse2.shape == delta.shape and lse2.shape[-1] >= q.shape[1]
+        assert (left >= 0, right >= 0) == window_sides and bool(softcap) == softcap_on
         lse2, delta = lse2[..., : q.shape[1]], delta[..., : q.shape[1]]
         # q head h of the part reads kv head h // group, as the kernel maps them (a part may hold
         # a slice of one group: all its q heads then read its one kv head).
         kv_of = torch.arange(q.shape[2]) // group
         kk, vv = (t.double()[:, :, kv_of] for t in (k, v))
         s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
-        p = torch.exp2(s * math.log2(math.e) - lse2.double()[..., None])
+        dtanh = 1.0
+        if softcap_on:
+            t = torch.tanh(s / softcap)
+            s, dtanh = softcap * t, 1 - t * t
+        seen = visible_keys(torch.arange(q.shape[1]), q.shape[1], k.shape[1], left, 0 if causal else right)
+        p = torch.where(seen, torch.exp2(s * math.log2(math.e) - lse2.double()[..., None]), 0.0)
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
-        ds = p * (dp - delta.double()[..., None])
+        ds = p * (dp - delta.double()[..., None]) * dtanh
         dq_acc += (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale).float()
         dk_heads = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
         dv_heads = torch.einsum("bhqk,bqhd->bkhd", p, dout.double())
@@ -57,7 +67,8 @@ def kernels(monkeypatch):
 
     def compile_bwd(*key):
         keys.append(key)
-        return dense_kernel(launches, atomic=key[-1])  # the key ends with dkv_atomic
+        # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap)
+        return dense_kernel(launches, key[6], key[2], key[7:9], key[9])
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
     monkeypatch.setattr(bwd_preprocess, "_compiled", {})
@@ -99,12 +110,15 @@ def test_launch_matches_the_kernel_signature(kernels):
     q, k, v, out, dout, lse = inputs()
     sm90_bwd.backward(q, k, v, out, dout, lse, 0.125, False)
     params = inspect.signature(BwdWsSm90.__call__).parameters
-    assert len(params) - 2 == 12  # self and the stream (TVM-FFI's current one) are not passed
+    assert len(params) - 2 == 15  # self and the stream (TVM-FFI's current one) are not passed
     assert len(inspect.signature(sm90_bwd.BwdSm90.__call__).parameters) == len(params)
     (launch,) = launches
     assert launch["group"] == 2 and launch["sem"] is None
-    # GQA, not deterministic, v2: dK, dV summed per kv head in the kernel (atomic).
-    assert keys == [("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False, True)]
+    # GQA, not deterministic, v2: dK, dV summed per kv head in the kernel (atomic); no features.
+    assert keys == [
+        ("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False, True, False, False, False)
+    ]
+    assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
     assert launch["dk"].shape[2] == 2 and launch["dk"].dtype == torch.float32
 
 
@@ -123,7 +137,7 @@ def test_gradients_and_their_types(kernels, kv_heads, deterministic, version):
     # sums) or per q head (v1, deterministic), summed here.
     assert launches[-1]["dk"].dtype == (torch.bfloat16 if mha else torch.float32)
     assert launches[-1]["dk"].shape[2] == (kv_heads if atomic else 4)
-    assert keys[-1][-2:] == (mha, atomic)
+    assert keys[-1][5:7] == (mha, atomic)
     for ours, ref in zip((dq, dk, dv), reference_grads(q, k, v, dout), strict=True):
         assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
@@ -165,6 +179,54 @@ def test_lse_gradient_enters_d(kernels):
     ref = torch.autograd.grad((o * dout.double()).sum() + (l * dlse.double()).sum(), leaves)
     for ours, r in zip(with_dlse, ref, strict=True):
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "causal, window, softcap",
+    [(True, (9, -1), 0.0), (False, (4, 2), 0.0), (False, (-1, 3), 0.0), (False, (-1, -1), 4.0),
+     (True, (5, 7), 3.0)],
+    ids=["causal-left", "both", "right", "softcap", "causal-softcap-right-dropped"],
+)  # fmt: skip
+def test_score_features_reach_the_kernel(kernels, causal, window, softcap):
+    # The compile key names which features (sides of the window, softcap), the launch their sizes;
+    # with causal the right side is the causal mask's (dropped). Gradients against torch's autograd
+    # of the reference with the same features.
+    launches, keys = kernels
+    q, k, v, _, dout, _ = inputs(sq=70, sk=75)
+    features = dict(window_size=window, softcap=softcap)
+    out, lse = reference(q, k, v, 64**-0.5, causal, **features)
+    grads = sm90_bwd.backward(q, k, v, out.to(q.dtype), dout, lse, 64**-0.5, causal, **features)
+    right = -1 if causal else window[1]
+    assert keys[-1][7:] == (window[0] >= 0, right >= 0, softcap > 0)
+    assert launches[-1]["window"] == (window[0], right) and launches[-1]["softcap"] == softcap
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*leaves, 64**-0.5, causal, dtype=torch.float64, **features)
+    ref = torch.autograd.grad(o, leaves, dout.double())
+    for ours, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+
+
+def test_sink_gradient_comes_fourth(kernels):
+    q, k, v, _, dout, _ = inputs(sq=70, sk=75)
+    sink = torch.randn(4, generator=torch.Generator().manual_seed(2))
+    out, lse = reference(q, k, v, 64**-0.5, True, learnable_sink=sink)
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(3))
+    dq, dk, dv, dsink = sm90_bwd.backward(
+        q, k, v, out.to(q.dtype), dout, lse, 64**-0.5, True, dlse=dlse, learnable_sink=sink
+    )
+    leaves = [t.double().requires_grad_() for t in (q, k, v, sink)]
+    o, l = reference(*leaves[:3], 64**-0.5, True, dtype=torch.float64, learnable_sink=leaves[3])
+    ref = torch.autograd.grad((o * dout.double()).sum() + (l * dlse.double()).sum(), leaves)
+    for ours, r in zip((dq, dk, dv), ref[:3], strict=True):
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+    assert dsink.shape == (4,) and dsink.dtype == torch.float32
+    torch.testing.assert_close(dsink.double(), ref[3], rtol=1e-2, atol=1e-2)
+
+
+def test_version_1_refuses_score_features(kernels):
+    q, k, v, out, dout, lse = inputs()
+    with pytest.raises(NotImplementedError, match="version 1 has no window or softcap"):
+        sm90_bwd.backward(q, k, v, out, dout, lse, 0.125, False, softcap=2.0, version=1)
 
 
 def test_no_keys_or_no_queries_launch_nothing(kernels):

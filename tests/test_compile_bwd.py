@@ -67,6 +67,63 @@ def test_backward_compiles_without_spills(dtype, head_dim, causal, deterministic
     assert ("MEMBAR.ALL.GPU" in text) == deterministic
 
 
+# Score features (v2 only): (dtype, head dim, causal, deterministic, mha, dkv_atomic, left, right,
+# softcap). Each side of the window and softcap is a compile-key field (the sizes are runtime).
+FEATURE_CONFIGS = [
+    ("bfloat16", 64, True, False, False, True, True, False, False),
+    ("bfloat16", 128, True, True, False, False, True, False, False),
+    ("bfloat16", 64, False, True, False, False, True, True, False),
+    ("bfloat16", 128, False, False, False, True, True, True, False),
+    ("bfloat16", 128, False, False, True, False, False, True, False),
+    ("bfloat16", 64, False, False, True, False, False, False, True),
+    ("bfloat16", 128, True, False, False, True, False, False, True),
+    ("float16", 128, True, True, False, False, True, False, True),
+]
+# Spills measured with both compilers (cu12 / cu13 ptxas), in bytes of stack: d128 with softcap
+# keeps a few loop-invariant addresses on the stack (reloaded once per query block), as does d128
+# deterministic with a two-sided window; every other configuration has none.
+FEATURE_STACK_LIMIT = {(128, "softcap"): 64, (128, "deterministic-both"): 16}
+
+
+def feature_id(cfg):
+    dtype, d, causal, det, mha, atomic, left, right, softcap = cfg
+    sides = {(True, True): "both", (True, False): "left", (False, True): "right"}.get((left, right), "")
+    parts = (dtype, f"d{d}", "causal" if causal else "", sides, "softcap" if softcap else "")
+    return "-".join(p for p in parts + ("det" if det else "mha" if mha else "gqa",) if p)
+
+
+@pytest.mark.parametrize("cfg", FEATURE_CONFIGS, ids=[feature_id(c) for c in FEATURE_CONFIGS])
+def test_backward_with_score_features_compiles(cfg):
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    dtype, d, causal, det, mha, atomic, left, right, softcap = cfg
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = compile_bwd(
+            dtype, d, causal, det, 2, mha, atomic, left, right, softcap,
+            options=f"--keep-cubin --dump-dir={dump}",
+        )  # fmt: skip
+        cubin = compiled.artifacts.CUBIN
+    limit = 0
+    if softcap:
+        limit = FEATURE_STACK_LIMIT.get((d, "softcap"), 0)
+    elif det and left and right:
+        limit = FEATURE_STACK_LIMIT.get((d, "deterministic-both"), 0)
+    stack = kernel_resources(cubin)["stack_bytes"]
+    assert stack <= limit, f"{stack} bytes of stack (limit {limit}): registers spill"
+    try:
+        text = sass(cubin)
+    except RuntimeError as e:  # no nvdisasm
+        pytest.skip(str(e))
+    summary = sass_summary(text)
+    # The same GEMMs as without features (the mask and softcap act on registers between them).
+    assert summary["hgmma_ss"] == 2 * d // 16 + 128 // 16
+    assert summary["hgmma_rs"] == 2 * 64 // 16
+    assert "USETMAXREG" in text and "UTMAREDG.4D.ADD" in text
+    # softcap: the forward's tanh.approx, once per score of the thread's 64 x 64 S^T (32).
+    assert text.count("MUFU.TANH") == (32 if softcap else 0)
+    assert ("MEMBAR.ALL.GPU" in text) == det
+
+
 @pytest.mark.parametrize("version", [1, 2], ids=["v1", "v2ws"])
 def test_mha_stores_dk_dv_in_the_inputs_type(version):
     # MHA: dK, dV leave as 16-bit values (no fp32 buffers for the host to sum and cast).

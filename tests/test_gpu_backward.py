@@ -1,7 +1,8 @@
 """GPU tier, the backward kernels (`kernels/sm90_bwd.backward`, versions 1 and 2; all passed on an
-H200 on 2026-11-25): dq, dk, dv against float64 autograd of the same attention, each within 2x the
-error of PyTorch's backward in the input dtype + a floor; FlashAttention's seqlen pairs (odd sizes,
-one key, rows without keys), MHA/GQA/MQA, causal or not, d = 64 and 128."""
+H200 on 2026-11-25, before the score features): dq, dk, dv against float64 autograd of the same
+attention, each within 2x the error of PyTorch's backward in the input dtype + a floor;
+FlashAttention's seqlen pairs (odd sizes, one key, rows without keys), MHA/GQA/MQA, causal or not,
+d = 64 and 128; windows, softcap and the learnable sink (v2; not yet run on a GPU)."""
 
 from __future__ import annotations
 
@@ -18,22 +19,33 @@ pytestmark = pytest.mark.gpu
 GRAD_FLOOR = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def attention(q, k, v, scale, causal):
+def attention(q, k, v, scale, causal, window=(-1, -1), softcap=0.0, sink=None):
     """Attention in q's dtype, differentiable everywhere: masked scores get a large negative value
-    and P is multiplied by the mask, so a row without keys has out = 0 and zero gradients."""
+    and P is multiplied by the mask, so a row without keys has out = 0 and zero gradients. Softcap:
+    s = cap tanh(s / cap); sink: a (h,) logit in each row's softmax denominator."""
     group = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     sq, sk = q.shape[1], k.shape[1]
-    seen = visible_keys(torch.arange(sq, device=q.device), sq, sk, -1, 0 if causal else -1)
+    seen = visible_keys(torch.arange(sq, device=q.device), sq, sk, window[0], 0 if causal else window[1])
     s = s.masked_fill(~seen, torch.finfo(s.dtype).min / 2)
-    p = torch.softmax(s, dim=-1) * seen
+    if sink is not None:
+        column = sink.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1] * seen
+    else:
+        p = torch.softmax(s, dim=-1) * seen
     return torch.einsum("bhqk,bkhd->bqhd", p, vv)
 
 
-def grads(q, k, v, dout, scale, causal, dtype):
+def grads(q, k, v, dout, scale, causal, dtype, **features):
+    """Gradients of q, k, v (and of features' sink, when given) of `attention` computed in dtype."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    attention(*leaves, scale, causal).backward(dout.to(dtype))
+    if features.get("sink") is not None:
+        leaves.append(features["sink"].detach().to(dtype).requires_grad_())
+        features = dict(features, sink=leaves[3])
+    attention(*leaves[:3], scale, causal, **features).backward(dout.to(dtype))
     return [t.grad for t in leaves]
 
 
@@ -121,6 +133,67 @@ def test_lse_gradient(hopper_gpu):
     for name, o, r in zip("qkv", ours, ref, strict=True):
         err = (o.double() - r).abs().max().item()
         assert err <= 2e-3 * max(1.0, r.abs().max().item()), f"d{name}: {err:.3g}"
+
+
+# ---- score features (v2): windows, softcap, the learnable sink ----
+
+FEATURE_SEQLENS = [(1, 1), (3, 3), (113, 203), (239, 1), (128, 1000), (1000, 128), (1023, 1024)]
+FEATURES = {
+    "causal-left": (True, dict(window=(100, -1))),
+    "left": (False, dict(window=(37, -1))),
+    "right": (False, dict(window=(-1, 64))),
+    "both": (False, dict(window=(130, 5))),
+    "narrow": (False, dict(window=(0, 0))),
+    "softcap": (False, dict(softcap=5.0)),
+    "softcap-causal": (True, dict(softcap=2.0)),
+    "sink": (False, dict(sink=True)),
+    "all": (True, dict(window=(200, -1), softcap=10.0, sink=True)),
+}
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", FEATURE_SEQLENS, ids=[f"{a}x{b}" for a, b in FEATURE_SEQLENS])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_score_features_backward(hopper_gpu, dtype, deterministic, d, feature, seqlens, heads):
+    # Through flash_attn_func's autograd: the forward's features reach the backward kernel (its
+    # block range and element mask from the key side, the softcap derivative, the sink's gradient
+    # from the row sums). 128x1000 with a left window leaves key blocks no query block sees; the
+    # deterministic turns must still all be taken (a wrong count hangs). Deterministic runs twice,
+    # bitwise equal.
+    import hopper_fmha
+
+    causal, features = FEATURES[feature]
+    sq, sk = seqlens
+    h, hkv = HEADS[heads]
+    seed = zlib.crc32(repr(("features", feature, d, seqlens, heads, str(dtype))).encode())
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, sq, sk, h, hkv, d, dtype, seed))
+    sink = None
+    if features.get("sink"):
+        sink = torch.randn(
+            h, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)
+        ).requires_grad_()
+    kwargs = dict(window_size=features.get("window", (-1, -1)), softcap=features.get("softcap", 0.0))
+    out = hopper_fmha.flash_attn_func(
+        q, k, v, causal=causal, learnable_sink=sink, deterministic=deterministic, **kwargs
+    )
+    dout = torch.randn_like(out)
+    inputs = (q, k, v) + ((sink,) if sink is not None else ())
+    ours = torch.autograd.grad(out, inputs, dout, retain_graph=deterministic)
+    ref_kw = dict(window=kwargs["window_size"], softcap=kwargs["softcap"], sink=sink)
+    ref = grads(q, k, v, dout, d_scale(q), causal, torch.float64, **ref_kw)
+    base = grads(q, k, v, dout, d_scale(q), causal, dtype, **ref_kw)
+    check_grads(ours[:3], ref[:3], base[:3], dtype)
+    if sink is not None:
+        assert ours[3].shape == sink.shape and ours[3].dtype == sink.dtype
+        err = (ours[3].double() - ref[3]).abs().max().item()
+        tol = 2 * (base[3].double() - ref[3]).abs().max().item() + 1e-3 * max(1.0, ref[3].abs().max().item())
+        assert err <= tol, f"dsink: error {err:.3g} > {tol:.3g}"
+    if deterministic:
+        for a, b in zip(ours, torch.autograd.grad(out, inputs, dout), strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

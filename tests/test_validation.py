@@ -398,9 +398,10 @@ def test_outputs_and_launch_arguments(cpu_kernel, causal):
         (128, None, None),
         (96, {}, "head_dim 64 and 128"),
         (256, {}, "head_dim 64 and 128"),
-        (64, dict(softcap=5.0), "window_size, softcap or learnable_sink"),
+        (64, dict(softcap=5.0), None),
+        (128, dict(window_size=(16, 0)), None),
     ],
-    ids=["d64", "d128", "d96", "d256", "softcap"],
+    ids=["d64", "d128", "d96", "d256", "softcap", "window"],
 )
 def test_inputs_requiring_grad(cpu_kernel, head_dim, kwargs, match):
     # An output without a grad_fn would silently cut the graph: the layers before the attention
@@ -536,16 +537,15 @@ def test_paper_variant_refuses_score_features():
             flash_attn_func(*qkv(), variant="paper", **kwargs)
 
 
-def test_sink_requiring_grad_is_refused(cpu_kernel):
-    # The backward has no learnable sink: a sink that requires grad (q, k, v not) makes the call
-    # differentiable, and it is refused naming the rule, before the forward.
+def test_sink_requiring_grad_makes_the_call_differentiable(cpu_kernel):
+    # A sink that requires grad (q, k, v not) makes the call differentiable: the output has a
+    # grad_fn and the forward ran with the exact LSE (the sink's gradient: tests/test_autograd.py).
     sink = torch.zeros(4, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="window_size, softcap or learnable_sink"):
-        flash_attn_func(*qkv(), learnable_sink=sink)
-    assert not cpu_kernel
+    out = flash_attn_func(*qkv(), learnable_sink=sink)
+    assert out.grad_fn is not None and cpu_kernel[-1]["exact_lse"] is True
     with torch.no_grad():
-        flash_attn_func(*qkv(), learnable_sink=sink)
-    assert len(cpu_kernel) == 1
+        assert flash_attn_func(*qkv(), learnable_sink=sink).grad_fn is None
+    assert len(cpu_kernel) == 2
 
 
 @pytest.mark.parametrize(

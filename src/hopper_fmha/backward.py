@@ -11,8 +11,10 @@ seqlen grid, autograd through `flash_attn_func`, bitwise-reproducible determinis
 heads past 65535, torch.compile(fullgraph=True)), and on by default.
 
 What the kernel serves: fp16/bf16, head_dim 64 or 128 (v's the same), causal or not, MHA/GQA/MQA,
-deterministic or not. Windows, softcap, learnable sinks, other head dims and varlen are refused
-before the forward runs, with the rule named.
+deterministic or not, sliding windows, softcap and the learnable sink (whose gradient the host
+reduces from the kernel's row sums: `sink_gradient`; windows and softcap are the kernel's, compile
+tier only, not yet run on a GPU). Other head dims and varlen are refused before the forward runs,
+with the rule named.
 """
 
 from __future__ import annotations
@@ -30,18 +32,13 @@ def grad_needed(q, k, v, sink=None) -> bool:
     ) and torch.is_grad_enabled()
 
 
-def check_supported(head_dim: int, head_dim_v: int, features, deterministic) -> None:
+def check_supported(head_dim: int, head_dim_v: int, deterministic) -> None:
     """Raise, naming the rule, for a differentiable call the backward kernel does not serve.
 
     Called before the forward runs, so a refused call costs nothing on the device. Any forward
-    variant serves: the backward needs only out and the exact LSE."""
+    variant serves: the backward needs only out and the exact LSE (score features included)."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
-    if features is not None:
-        raise NotImplementedError(
-            "hopper_fmha's backward pass does not support window_size, softcap or learnable_sink yet "
-            "(forward only: call under torch.no_grad())"
-        )
     if head_dim not in HEAD_DIMS or head_dim_v != head_dim:
         raise NotImplementedError(
             f"hopper_fmha's backward pass supports head_dim {' and '.join(map(str, HEAD_DIMS))} with v's "
@@ -69,6 +66,19 @@ def row_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) 
     return delta.contiguous()
 
 
+def sink_gradient(lse: torch.Tensor, delta: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """d loss / d learnable_sink, (h,) float32: -sum over batch and rows of exp(sink - lse) * D.
+
+    Only the LSE depends on the sink (d p_j / d sink = -p_j exp(sink - lse) for every key j),
+    so it takes the row sums D (b, h, s_q) = rowsum(dO * O) - dLSE of the main backward and the
+    forward's lse (b, h, s_q) (`emulate_bwd.preprocess` derives it). A row with lse = -inf (no key
+    and a sink of -inf) adds 0."""
+    lse = lse.float()
+    p_sink = torch.exp(sink.float()[None, :, None] - lse)
+    p_sink = torch.where(lse == -float("inf"), 0.0, p_sink)
+    return -(p_sink * delta.float()).sum(dim=(0, 2))
+
+
 # ---- the backward custom op ----
 
 
@@ -82,12 +92,13 @@ def _check_dout(dout, out) -> None:
         )
 
 
-def _launch_backward(q, k, v, out, dout, lse, dlse, softmax_scale, causal, deterministic):
+def _launch_backward(q, k, v, out, dout, lse, dlse, scale, causal, deterministic, window, softcap, sink):
     from hopper_fmha.kernels.sm90_bwd import backward as kernel_backward
 
     return kernel_backward(
-        q, k, v, out, dout, lse, softmax_scale, causal, dlse=dlse, deterministic=deterministic
-    )
+        q, k, v, out, dout, lse, scale, causal, dlse=dlse, deterministic=deterministic,
+        window_size=window, softcap=softcap, learnable_sink=sink,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("hopper_fmha::bwd", mutates_args=())
@@ -102,44 +113,65 @@ def _bwd(
     softmax_scale: float,
     causal: bool,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink): dsink (h,) float32 when learnable_sink is given (its gradient is
+    wanted), else an empty tensor."""
     _check_dout(dout, out)
-    if out.numel() == 0 or k.shape[1] == 0:  # nothing attended: every gradient is zero
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return _launch_backward(q, k, v, out, dout, lse, dlse, softmax_scale, causal, deterministic)
+    no_sink = torch.empty(0, device=q.device, dtype=torch.float32)
+    if out.numel() == 0 or k.shape[1] == 0:  # nothing attended: every gradient but the sink's is zero
+        dsink = no_sink
+        if learnable_sink is not None:
+            delta = row_delta(out, dout, dlse) if out.numel() else torch.zeros_like(lse)
+            dsink = sink_gradient(lse, delta, learnable_sink)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsink
+    grads = _launch_backward(
+        q, k, v, out, dout, lse, dlse, softmax_scale, causal, deterministic, (window_left, window_right),
+        softcap, learnable_sink,
+    )  # fmt: skip
+    return grads if learnable_sink is not None else grads + (no_sink,)
 
 
 @_bwd.register_fake
-def _(dout, q, k, v, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, q, k, v, out, lse, dlse, scale, causal, deterministic, left=-1, right=-1, cap=0.0, sink=None):
+    dsink = q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
 
 # ---- autograd of hopper_fmha::fwd ----
 # The forward op's inputs: (q, k, v, softmax_scale, causal, variant, tile_m, tile_n, return_lse,
 # window_left, window_right, softcap, learnable_sink, deterministic); outputs (out, lse).
-_FWD_NON_TENSOR_INPUTS = 11
+_SINK_INPUT = 12
 
 
 def fwd_setup_context(ctx, inputs, output) -> None:
     q, k, v, softmax_scale, causal, _variant, _tm, _tn, return_lse, left, right, softcap, sink, det = inputs
     out, lse = output
-    if left >= 0 or right >= 0 or softcap or sink is not None:
-        ctx.unsupported = "window_size, softcap or learnable_sink"
-    elif not return_lse:
+    if not return_lse:
         ctx.unsupported = "an LSE computed without return_lse (its fast path is not exact)"
     else:
         ctx.unsupported = None
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sink)
     ctx.softmax_scale = softmax_scale
     ctx.causal = causal
+    ctx.window = (left, right)
+    ctx.softcap = softcap
     ctx.deterministic = det
 
 
 def fwd_backward(ctx, dout, dlse):
     if ctx.unsupported is not None:  # flash_attn_func refuses these before the forward
         raise NotImplementedError(f"hopper_fmha's backward pass does not support {ctx.unsupported}")
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.hopper_fmha.bwd(
-        dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.deterministic
-    )
-    return (dq, dk, dv) + (None,) * _FWD_NON_TENSOR_INPUTS
+    q, k, v, out, lse, sink = ctx.saved_tensors
+    want_sink = sink is not None and ctx.needs_input_grad[_SINK_INPUT]
+    dq, dk, dv, dsink = torch.ops.hopper_fmha.bwd(
+        dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.deterministic, *ctx.window,
+        ctx.softcap, sink if want_sink else None,
+    )  # fmt: skip
+    grads = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
+    if want_sink:
+        grads[_SINK_INPUT] = dsink
+    return tuple(grads)

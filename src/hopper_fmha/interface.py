@@ -78,8 +78,9 @@ def flash_attn_func(
     RuntimeError when the tensors are not on one CUDA device of compute capability 9.x.
 
     Gradients: in grad mode with an input that requires grad, the output has a grad_fn (the
-    backward kernel, `hopper_fmha.backward`: head_dim 64/128, causal or not, MHA/GQA/MQA; a
-    differentiable call it does not serve raises NotImplementedError before the forward runs).
+    backward kernel, `hopper_fmha.backward`: head_dim 64/128, causal or not, MHA/GQA/MQA, windows,
+    softcap and the learnable sink (which gets a gradient too); a differentiable call it does not
+    serve raises NotImplementedError before the forward runs).
     """
     scale, cfg = _validate(q, k, v, softmax_scale, causal, variant, tile)
     features = None
@@ -92,7 +93,7 @@ def flash_attn_func(
         cfg = feature_cfg or cfg
     grad = backward.grad_needed(q, k, v, learnable_sink)
     if grad:
-        backward.check_supported(q.shape[3], v.shape[3], features, deterministic)
+        backward.check_supported(q.shape[3], v.shape[3], deterministic)
     _check_device(q, k, v)
     if features is not None and features.sink is not None and features.sink.device != q.device:
         raise RuntimeError(f"learnable_sink must be on q's device {q.device}, got {features.sink.device}")

@@ -163,6 +163,66 @@ class Mask:
                     if tScS_mn[0, c][1] >= col_limit:
                         acc_S_mn[r, c] = -Float32.inf
 
+    # ---- The backward's side: a CTA owns a key block and walks the query tiles that see it.
+
+    @cute.jit
+    def query_block_range(self, n_block: Int32, seqlen: SeqlenInfo):
+        """(m_min, m_max): the query tiles [m_min, m_max) whose `block_range_local` holds key
+        block n_block, the same (m, n) pairs seen from the key side (m_max <= m_min: none).
+
+        From n_min(m) <= n < n_max(m) solved for m: a right limit R (causal: 0) bounds the tiles
+        from below, m >= floor((n * tile_n - offset - R) / tile_m); a left limit L from above,
+        m < ceil(((n + 1) * tile_n - offset + L) / tile_m) (offset = seqlen_k - seqlen_q).
+        `emulate_bwd.query_block_range` is this rule in Python, tested against the forward's."""
+        assert not self.pack_gqa > 1, "the backward's tiles hold one q head"
+        offset = seqlen.seqlen_k - seqlen.seqlen_q
+        n0 = n_block * self.tile_n
+        m_min = Int32(0)
+        m_max = (seqlen.seqlen_q + self.tile_m - 1) // self.tile_m
+        if const_expr(self.causal or self.window_right):
+            first_row = n0 - offset  # the first row that sees key n0 (causal)
+            if const_expr(self.window_right):
+                first_row = first_row - self.right
+            m_min = cutlass.max(first_row, 0) // self.tile_m
+        if const_expr(self.window_left):
+            row_end = n0 + self.tile_n - offset + self.left  # rows below it may see a key of the block
+            m_max = cutlass.min(m_max, (cutlass.max(row_end, 0) + self.tile_m - 1) // self.tile_m)
+        return m_min, m_max
+
+    @cute.jit
+    def tile_needs_mask(self, m_block: Int32, n_block: Int32, seqlen: SeqlenInfo):
+        """Whether some row of query tile m_block inside the sequence misses a key of block
+        n_block (the backward masks only those tiles). Rows past seqlen_q are not counted: the
+        backward takes their LSE as +inf (P = 0). Conservative: a true answer may be spared."""
+        offset = seqlen.seqlen_k - seqlen.seqlen_q
+        m0 = m_block * self.tile_m
+        n0 = n_block * self.tile_n
+        past = n0 + self.tile_n - seqlen.seqlen_k  # > 0: keys past the end
+        if const_expr(self.causal or self.window_right):
+            first_row_last_key = m0 + offset  # the tile's first row sees keys up to this one
+            if const_expr(self.window_right):
+                first_row_last_key = first_row_last_key + self.right
+            past = cutlass.max(past, n0 + self.tile_n - 1 - first_row_last_key)
+        if const_expr(self.window_left):
+            last_row_first_key = m0 + self.tile_m - 1 + offset - self.left
+            past = cutlass.max(past, last_row_first_key - n0)
+        return past > 0
+
+    @cute.jit
+    def key_bounds(self, query: Int32, seqlen: SeqlenInfo):
+        """(start, limit): query row `query` sees keys start <= j < limit (start 0 without a left
+        limit; limit at most seqlen_k)."""
+        offset = seqlen.seqlen_k - seqlen.seqlen_q
+        start = Int32(0)
+        limit = seqlen.seqlen_k
+        if const_expr(self.causal):
+            limit = cutlass.min(limit, query + offset + 1)
+        if const_expr(self.window_right):
+            limit = cutlass.min(limit, query + offset + 1 + self.right)
+        if const_expr(self.window_left):
+            start = query + offset - self.left
+        return start, limit
+
     @cute.jit
     def causal_keys(self, row_end: Int32, n_block: Int32, seqlen: SeqlenInfo) -> Int32:
         """Keys of block n_block below this bound, counted from its first, are seen by row

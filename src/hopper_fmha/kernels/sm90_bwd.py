@@ -104,8 +104,13 @@ class BwdSm90:
         mSem: cute.Tensor | None,
         softmax_scale: Float32,
         qhead_per_kvhead: Int32,
+        window_size_left: Int32,
+        window_size_right: Int32,
+        softcap: Float32,
         stream: cuda.CUstream,
     ):
+        # window_size_left/right and softcap: v2's (`sm90_bwd_ws`); this kernel has none of them
+        # and takes them unused, so that both versions launch alike.
         # Sequence first, as TMA and WGMMA take them: (s, d, h, b); LSE and D (s, h, b).
         mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -409,7 +414,8 @@ def fake_arguments(
             Int32, (b, h, nm), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
         )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return (q, k, v, do, bhs(), bhs(), dq, dk, dv, sem, Float32(1.0), Int32(1), stream)
+    scalars = (Float32(1.0), Int32(1), Int32(-1), Int32(-1), Float32(0.0))  # scale, group, window, softcap
+    return (q, k, v, do, bhs(), bhs(), dq, dk, dv, sem, *scalars, stream)
 
 
 # The kernel `backward` runs: 1 = `BwdSm90` (one warpgroup per 64 keys), 2 = `sm90_bwd_ws.BwdWsSm90`
@@ -430,18 +436,25 @@ def compile_bwd(
     version: int = DEFAULT_VERSION,
     mha: bool = False,
     dkv_atomic: bool = False,
+    window_left: bool = False,
+    window_right: bool = False,
+    softcap: bool = False,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
+    window_left/right, softcap: the score features the kernel handles (version 2 only).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
     if version == 2:
         from .sm90_bwd_ws import BwdWsSm90
 
-        kernel = BwdWsSm90(dtype, head_dim, causal, deterministic, dkv_atomic)
+        kernel = BwdWsSm90(
+            dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap
+        )
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
+        assert not (window_left or window_right or softcap), "version 1 has no window or softcap"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic)
     return cute.compile(
         kernel, *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic), options=opts
@@ -491,10 +504,18 @@ def backward(
     dlse=None,
     deterministic=False,
     version=None,
+    window_size=(-1, -1),
+    softcap=0.0,
+    learnable_sink=None,
 ):
     """(dq, dk, dv) of `flash_attn_func`'s forward (q, k, v, out, lse as it returned them, lse
     exact), for the upstream gradients dout and, where the caller used the LSE, dlse (b, h, s_q);
     d = 64 or 128, fp16/bf16, BSHD, GQA/MQA.
+
+    Score features as the forward ran them (version 2 only): window_size (left, right), -1 for a
+    side without limit (with causal the right side is the causal mask's); softcap the cap (0:
+    off); learnable_sink the (h,) float32 logits, whose gradient (h,) float32 comes fourth:
+    (dq, dk, dv, dsink). The kernel needs nothing for the sink (the LSE holds it).
 
     D = rowsum(dout * out) - dlse and LSE log2 e, padded, come from `row_stats`, the zeroed fp32 dQ
     accumulator from torch;
@@ -515,12 +536,18 @@ def backward(
         raise ValueError(
             f"dout must match out: {tuple(out.shape)} {out.dtype}, got {tuple(dout.shape)} {dout.dtype}"
         )
+    version = DEFAULT_VERSION if version is None else version
+    left, right = (int(x) for x in window_size)
+    if causal:
+        right = -1  # the causal mask is the right limit 0, and the tighter of the two
+    features = (left >= 0, right >= 0, bool(softcap))  # which, not their sizes: runtime values
+    if any(features) and version != 2:
+        raise NotImplementedError(f"backward kernel version {version} has no window or softcap (v2 has)")
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))  # no copy where already contiguous
     delta, lse2 = row_stats(out, dout, lse, dlse)
     dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
-    version = DEFAULT_VERSION if version is None else version
     # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;
     # otherwise per q head, summed below. Each key row is written by the CTA that owns it.
     atomic = version == 2 and not mha and not deterministic
@@ -532,7 +559,7 @@ def backward(
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // TILE), device=q.device, dtype=torch.int32)
-    key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic)
+    key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -545,15 +572,17 @@ def backward(
             fn(
                 q[b, :, h], k[b, :, kv], v[b, :, kv], dout[b, :, h], lse2[b, h], delta[b, h],
                 dq_acc[b, :, h], dk[b, :, dkv], dv[b, :, dkv], None if sem is None else sem[b, h],
-                softmax_scale, group,
+                softmax_scale, group, left, right, float(softcap),
             )  # fmt: skip
     else:
         dk.zero_()
         dv.zero_()
-    if mha:
-        return dq_acc.to(q.dtype), dk, dv
-    if atomic:
-        return dq_acc.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
-    dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
-    dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
-    return dq_acc.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    if not mha and not atomic:
+        dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
+        dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
+    grads = (dq_acc.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)
+    if learnable_sink is None:
+        return grads
+    from hopper_fmha.backward import sink_gradient
+
+    return grads + (sink_gradient(lse, delta[..., :seqlen_q], learnable_sink),)

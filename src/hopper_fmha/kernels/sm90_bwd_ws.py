@@ -48,6 +48,8 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
+from .mask import Mask
+from .seqlen import SeqlenInfo
 from .sm90_bwd import BwdSm90
 from .sm90_common import (
     LOG2_E,
@@ -80,18 +82,37 @@ class BwdWsSm90(BwdSm90):
     `pass_turn`) are BwdSm90's, over this kernel's `sync_turn`."""
 
     def __init__(
-        self, dtype, head_dim: int, causal: bool, deterministic: bool = False, dkv_atomic: bool = False
+        self,
+        dtype,
+        head_dim: int,
+        causal: bool,
+        deterministic: bool = False,
+        dkv_atomic: bool = False,
+        window_left: bool = False,
+        window_right: bool = False,
+        softcap: bool = False,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
-        group's additions varies: not with deterministic); else they are written per q head."""
+        group's additions varies: not with deterministic); else they are written per q head.
+        window_left / window_right: the rows' windows have that side (`mask.Mask`: not a right
+        side with causal); softcap: the scores were capped (sizes and cap: `__call__`'s)."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
+        assert not (causal and window_right), "causal is the right limit 0"
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         self.deterministic = deterministic
         self.dkv_atomic = dkv_atomic
+        self.window_left = window_left
+        self.window_right = window_right
+        self.softcap = softcap
+        # Query tiles of 64 rows, key tiles of the CTA's 128 keys.
+        self.mask = Mask(TILE_M, TILE_N, causal, window_left, window_right)
+        # Deterministic turns descend from a query block's last key block when rows have a right
+        # limit (the CTAs of later key blocks reach the block first), and CTAs launch in that order.
+        self.descending = causal or window_right
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -130,6 +151,9 @@ class BwdWsSm90(BwdSm90):
         mSem: cute.Tensor | None,
         softmax_scale: Float32,
         qhead_per_kvhead: Int32,
+        window_size_left: Int32,
+        window_size_right: Int32,
+        softcap: Float32,
         stream: cuda.CUstream,
     ):
         d = self.head_dim
@@ -180,7 +204,7 @@ class BwdWsSm90(BwdSm90):
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, mdK, mdV, mSem, softmax_scale,
-            qhead_per_kvhead,
+            qhead_per_kvhead, window_size_left, window_size_right, softcap,
             kv_layout, q_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
 
@@ -207,6 +231,9 @@ class BwdWsSm90(BwdSm90):
         mSem: cute.Tensor | None,
         softmax_scale: Float32,
         qhead_per_kvhead: Int32,
+        window_size_left: Int32,
+        window_size_right: Int32,
+        softcap: Float32,
         kv_layout: cute.ComposedLayout,
         q_layout: cute.ComposedLayout,
         ds_layout: cute.ComposedLayout,
@@ -218,18 +245,13 @@ class BwdWsSm90(BwdSm90):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head, batch = cute.arch.block_idx()
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        num_n = (seqlen_k + TILE_N - 1) // TILE_N
-        if const_expr(self.deterministic and self.causal):
+        seqlen = SeqlenInfo(0, mQ.shape[0], 0, mK.shape[0])
+        mask = self.mask.with_window(window_size_left, window_size_right)
+        num_n = (seqlen.seqlen_k + TILE_N - 1) // TILE_N
+        if const_expr(self.deterministic and self.descending):
             n_block = num_n - 1 - n_block  # later key blocks first: they take the earlier turns
-        n0 = n_block * TILE_N
-        # Query blocks that see a key of this CTA: all, or (causal, bottom-right aligned) from the
-        # block of the first row that sees key n0: row i sees key j iff j <= i + s_k - s_q.
-        num_m = (seqlen_q + TILE_M - 1) // TILE_M
-        m_min = 0
-        if const_expr(self.causal):
-            m_min = cutlass.max(n0 - (seqlen_k - seqlen_q), 0) // TILE_M
+        # The query blocks that see a key of this CTA's (the mask's rule, from the key side).
+        m_min, m_max = mask.query_block_range(n_block, seqlen)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -274,15 +296,15 @@ class BwdWsSm90(BwdSm90):
                 self.producer(
                     tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE,
                     mLSE, tma_atom_D, mD, sQ, sdO, sK, sV, sLSE, sD, mbar_KV, pipes, n_block, head,
-                    head // qhead_per_kvhead, batch, m_min, num_m,
+                    head // qhead_per_kvhead, batch, m_min, m_max,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(REGISTERS[1])
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
             self.consumer(
                 tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
-                tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head,
-                head // qhead_per_kvhead, batch, m_min, num_m, num_n, seqlen_q,
+                tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSem, softmax_scale, softcap, mask, seqlen,
+                n_block, head, head // qhead_per_kvhead, batch, m_min, m_max,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer
@@ -290,7 +312,7 @@ class BwdWsSm90(BwdSm90):
     def producer(
         self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
         tma_atom_D, mD, sQ, sdO, sK, sV, sLSE, sD, mbar_KV, pipes, n_block, head, head_kv, batch,
-        m_min, num_m,
+        m_min, m_max,
     ):  # fmt: skip
         """One warp: K and V of the CTA's keys once, then Q (with its rows' LSE log2 e) and dO
         (with D) of every query block it walks, each into the next free stage of its pipeline."""
@@ -326,7 +348,7 @@ class BwdWsSm90(BwdSm90):
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        for m_block in cutlass.range(m_min, num_m, unroll=1):
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
             pipe_q.producer_acquire(q_state)
             cute.copy(
                 tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
@@ -355,14 +377,19 @@ class BwdWsSm90(BwdSm90):
     @cute.jit
     def consumer(
         self, tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
-        tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSem, softmax_scale, n_block, head, head_kv, batch,
-        m_min, num_m, num_n, seqlen_q,
+        tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSem, softmax_scale, softcap, mask, seqlen, n_block,
+        head, head_kv, batch, m_min, m_max,
     ):  # fmt: skip
-        """Both consumer warpgroups (tidx 0..255): the query blocks [m_min, num_m), then dK, dV."""
+        """Both consumer warpgroups (tidx 0..255): the query blocks [m_min, m_max), then dK, dV."""
         d = self.head_dim
         pipe_q, pipe_do = pipes
-        seqlen_k = mdK.shape[0]
+        # Scores as the forward made them: S * scale, or (softcap) cap * tanh(S * scale / cap),
+        # to the base 2: S * scale_log2, or tanh(S * softcap_scale) * scale_log2.
         scale_log2 = softmax_scale * LOG2_E
+        softcap_scale = None
+        if const_expr(self.softcap):
+            scale_log2 = softcap * LOG2_E
+            softcap_scale = softmax_scale / softcap
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         n0 = n_block * TILE_N
 
@@ -399,28 +426,33 @@ class BwdWsSm90(BwdSm90):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         cute.arch.mbarrier_wait(mbar_KV, 0)
-        for m_block in cutlass.range(m_min, num_m, unroll=1):
-            m0 = m_block * TILE_M
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
             buf = (m_block - m_min) % 2
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
             acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
             pipe_q.consumer_wait(q_state)
             gemm(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, q_state.index], zero_init=True, wg_wait=-1)
-            # The block's LSE log2 e (from shared memory, with Q), read while S^T runs.
-            lse_log2 = self.load_rows(tScS, sLSE, q_state.index)
+            # The block's LSE log2 e (from shared memory, with Q), read while S^T runs (softcap:
+            # where it is used, `capped_probabilities`).
+            lse_log2 = None
+            if const_expr(not self.softcap):
+                lse_log2 = self.load_rows(tScS, sLSE, q_state.index)
             pipe_do.consumer_wait(do_state)
             gemm(
                 tiled_mma_s, acc_dP, tPrV, tPrdO[None, None, None, do_state.index], zero_init=True, wg_wait=-1
             )
-            # Blocks that need the element mask: keys past the end, or (causal) keys past some
-            # row's diagonal. Rows past seqlen_q need none: their LSE is taken as +inf (P = 0).
-            past = n0 + TILE_N - seqlen_k  # > 0: keys past the end
-            if const_expr(self.causal):  # > 0: the block's last key is past its first row's diagonal
-                past = cutlass.max(past, n0 + TILE_N - 1 - (m0 + seqlen_k - seqlen_q))
-            masked = past > 0
+            # Blocks that need the element mask: keys past the end, or past the edge of some row's
+            # window (causal's diagonal included); rows past seqlen_q need none (P = 0 by their LSE).
+            masked = mask.tile_needs_mask(m_block, n_block, seqlen)
             warpgroup.wait_group(1)  # S^T done; dP^T may still run
-            self.probabilities(acc_S, acc_dP, tScS, lse_log2, sD, do_state.index, m0, n0, seqlen_q, seqlen_k,
-                               scale_log2, masked)  # fmt: skip
+            if const_expr(self.softcap):
+                self.capped_probabilities(
+                    acc_S, acc_dP, tScS, sLSE, q_state.index, sD, do_state.index, mask, seqlen, m_block, n0,
+                    scale_log2, softcap_scale, masked,
+                )  # fmt: skip
+            else:
+                self.probabilities(acc_S, acc_dP, tScS, lse_log2, sD, do_state.index, mask, seqlen, m_block,
+                                   n0, scale_log2, masked)  # fmt: skip
             rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
             convert(acc_S, rP)
             rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
@@ -461,10 +493,12 @@ class BwdWsSm90(BwdSm90):
             # added into dQacc by TMA.
             self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx)
             if const_expr(self.deterministic):
-                turn = n_block
-                if const_expr(self.causal):  # descending from the last key block m_block sees
-                    n_end = cutlass.min(num_n, (m0 + TILE_M - 1 + seqlen_k - seqlen_q) // TILE_N + 1)
-                    turn = n_end - 1 - n_block
+                # The key blocks that visit query block m_block, by the forward's rule (the same
+                # pairs as `query_block_range`): descending from the last, or ascending.
+                n_min, n_max, _, _ = mask.block_range_local(m_block, seqlen)
+                turn = n_block - n_min
+                if const_expr(self.descending):
+                    turn = n_max - 1 - n_block
                 self.wait_turn(mSem, m_block, head, batch, turn, tidx)
             self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, tidx)
             if const_expr(self.deterministic):
@@ -476,7 +510,7 @@ class BwdWsSm90(BwdSm90):
         if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         out_head = head_kv if const_expr(self.dkv_atomic) else head
-        self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen_k)
+        self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen.seqlen_k)
 
     @cute.jit
     def load_rows(self, tScS, sRows, stage):
@@ -490,7 +524,7 @@ class BwdWsSm90(BwdSm90):
 
     @cute.jit
     def probabilities(
-        self, acc_S, acc_dP, tScS, lse_log2, sD, do_stage, m0, n0, seqlen_q, seqlen_k, scale_log2, masked
+        self, acc_S, acc_dP, tScS, lse_log2, sD, do_stage, mask, seqlen, m_block, n0, scale_log2, masked
     ):
         """P^T and dS^T in place of S^T and dP^T (waits for dP^T after P^T): P = exp2(S scale log2 e
         - LSE log2 e), 0 where masked; dS = P (dP - D). Columns are queries, rows keys."""
@@ -499,14 +533,17 @@ class BwdWsSm90(BwdSm90):
         cols = cute.size(acc_S_mn, mode=[1])
         rows = cute.size(acc_S_mn, mode=[0])
         if masked:
+            m0 = m_block * TILE_M
             for c in cutlass.range_constexpr(cols):
-                # Visible: inside the keys, and (causal) key <= q + s_k - s_q, as one limit.
-                limit = seqlen_k
-                if const_expr(self.causal):
-                    limit = cutlass.min(seqlen_k, m0 + tScS[0, c][1] + seqlen_k - seqlen_q + 1)
+                # The keys [start, limit) this column's query sees (`mask.Mask`).
+                start, limit = mask.key_bounds(m0 + tScS[0, c][1], seqlen)
                 for r in cutlass.range_constexpr(rows):
                     p = Float32(0.0)
-                    if n0 + tScS[r, c][0] < limit:
+                    key = n0 + tScS[r, c][0]
+                    if const_expr(self.window_left):
+                        if key < limit and key >= start:
+                            p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2[c], fastmath=True)
+                    elif key < limit:
                         p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2[c], fastmath=True)
                     acc_S_mn[r, c] = p
         else:
@@ -520,6 +557,47 @@ class BwdWsSm90(BwdSm90):
         for c in cutlass.range_constexpr(cols):
             for r in cutlass.range_constexpr(rows):
                 acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum[c])
+
+    @cute.jit
+    def capped_probabilities(
+        self, acc_S, acc_dP, tScS, sLSE, q_stage, sD, do_stage, mask, seqlen, m_block, n0, scale_log2,
+        softcap_scale, masked,
+    ):  # fmt: skip
+        """`probabilities` with softcap: T = tanh(S scale / cap), the forward's, in place while dP^T
+        runs; then, in one pass, P = exp2(T cap log2 e - LSE log2 e) (0 where masked) and
+        dS = P (dP - D) (1 - T^2), the derivative of cap tanh(x / cap). T stays in S's registers
+        until dS is made, and a column's LSE and D are read from shared memory where they are used:
+        1 - T^2 kept beside P, or the LSEs held across the wait for dP^T, spilled at d128."""
+        acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+        acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            acc_S[i] = cute.math.tanh(acc_S[i] * softcap_scale, approx=True)
+        warpgroup.wait_group(0)  # dP^T done
+        cols = cute.size(acc_S_mn, mode=[1])
+        rows = cute.size(acc_S_mn, mode=[0])
+        if masked:
+            m0 = m_block * TILE_M
+            for c in cutlass.range_constexpr(cols):
+                start, limit = mask.key_bounds(m0 + tScS[0, c][1], seqlen)  # the keys it sees
+                lse_log2 = sLSE[tScS[0, c][1], q_stage]
+                dsum = sD[tScS[0, c][1], do_stage]
+                for r in cutlass.range_constexpr(rows):
+                    t = acc_S_mn[r, c]
+                    key = n0 + tScS[r, c][0]
+                    p = cute.math.exp2(t * scale_log2 - lse_log2, fastmath=True)
+                    if key >= limit or key < start:
+                        p = Float32(0.0)
+                    acc_S_mn[r, c] = p
+                    acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dsum) * (1.0 - t * t)
+        else:
+            for c in cutlass.range_constexpr(cols):
+                lse_log2 = sLSE[tScS[0, c][1], q_stage]
+                dsum = sD[tScS[0, c][1], do_stage]
+                for r in cutlass.range_constexpr(rows):
+                    t = acc_S_mn[r, c]
+                    p = cute.math.exp2(t * scale_log2 - lse_log2, fastmath=True)
+                    acc_S_mn[r, c] = p
+                    acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dsum) * (1.0 - t * t)
 
     def sync_turn(self):
         """`BwdSm90.wait_turn` and `pass_turn` (inherited) sync the two consumer warpgroups only."""
