@@ -284,13 +284,10 @@ def test_unsupported_backward_is_refused_before_the_forward(cpu_kernels, kwargs,
         flash_attn_func(q, k, v, **kwargs)
 
 
-def test_varlen_and_kvcache_refuse_grad():
-    from hopper_fmha import flash_attn_varlen_func, flash_attn_with_kvcache
+def test_kvcache_refuses_grad():
+    # (flash_attn_varlen_func's gradients: tests/test_varlen_api.py.)
+    from hopper_fmha import flash_attn_with_kvcache
 
-    q = torch.randn(10, 2, 64, dtype=torch.float16, requires_grad=True)
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="flash_attn_varlen_func has no backward pass yet"):
-        flash_attn_varlen_func(q, q, q, cu, cu, 6, 6)
     q4 = torch.randn(1, 1, 2, 64, dtype=torch.float16, requires_grad=True)
     cache = torch.randn(1, 16, 2, 64, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="flash_attn_with_kvcache has no backward pass yet"):

@@ -20,18 +20,21 @@ from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
 
 
 def dense_kernel(launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False):
-    """A stand-in for a compiled backward kernel: the same 15 arguments, its part of the work
+    """A stand-in for a compiled backward kernel: the same 18 arguments, its part of the work
     done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks;
     the mask and softcap the compile key names, their sizes from the launch), written where the
     kernel writes."""
 
-    def run(q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group, left, right, softcap):
+    def run(
+        q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group, left, right, softcap, cu_q, cu_k, max_k
+    ):
         window = (left, right)
         launches.append(
             dict(q=q, dk=dk, sem=sem, group=group, lse2=lse2, delta=delta, window=window, softcap=softcap)
         )
         assert lse2.shape[-1] % 64 == 0 and lse2.shape == delta.shape and lse2.shape[-1] >= q.shape[1]
         assert (left >= 0, right >= 0) == window_sides and bool(softcap) == softcap_on
+        assert cu_q is None and cu_k is None  # dense
         lse2, delta = lse2[..., : q.shape[1]], delta[..., : q.shape[1]]
         # q head h of the part reads kv head h // group, as the kernel maps them (a part may hold
         # a slice of one group: all its q heads then read its one kv head).
@@ -67,7 +70,8 @@ def kernels(monkeypatch):
 
     def compile_bwd(*key):
         keys.append(key)
-        # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap)
+        # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen)
+        assert key[10] is False
         return dense_kernel(launches, key[6], key[2], key[7:9], key[9])
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
@@ -110,13 +114,13 @@ def test_launch_matches_the_kernel_signature(kernels):
     q, k, v, out, dout, lse = inputs()
     sm90_bwd.backward(q, k, v, out, dout, lse, 0.125, False)
     params = inspect.signature(BwdWsSm90.__call__).parameters
-    assert len(params) - 2 == 15  # self and the stream (TVM-FFI's current one) are not passed
+    assert len(params) - 2 == 18  # self and the stream (TVM-FFI's current one) are not passed
     assert len(inspect.signature(sm90_bwd.BwdSm90.__call__).parameters) == len(params)
     (launch,) = launches
     assert launch["group"] == 2 and launch["sem"] is None
     # GQA, not deterministic, v2: dK, dV summed per kv head in the kernel (atomic); no features.
     assert keys == [
-        ("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False, True, False, False, False)
+        ("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False, True, False, False, False, False)
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
     assert launch["dk"].shape[2] == 2 and launch["dk"].dtype == torch.float32
@@ -197,7 +201,7 @@ def test_score_features_reach_the_kernel(kernels, causal, window, softcap):
     out, lse = reference(q, k, v, 64**-0.5, causal, **features)
     grads = sm90_bwd.backward(q, k, v, out.to(q.dtype), dout, lse, 64**-0.5, causal, **features)
     right = -1 if causal else window[1]
-    assert keys[-1][7:] == (window[0] >= 0, right >= 0, softcap > 0)
+    assert keys[-1][7:] == (window[0] >= 0, right >= 0, softcap > 0, False)
     assert launches[-1]["window"] == (window[0], right) and launches[-1]["softcap"] == softcap
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     o, _ = reference(*leaves, 64**-0.5, causal, dtype=torch.float64, **features)
@@ -256,3 +260,144 @@ def test_row_stats_are_padded_to_whole_blocks(kernels, monkeypatch, kernel):
     torch.testing.assert_close(delta[..., :130].double(), expected, rtol=1e-5, atol=1e-5)
     finite = lse != -math.inf
     torch.testing.assert_close(lse2[..., :130][finite].double(), lse[finite].double() * math.log2(math.e))
+
+
+# ---- varlen (`backward_varlen`): packed sequences, the query side's buffers padded per sequence ----
+
+
+def varlen_kernel(launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False):
+    """A stand-in for the varlen backward kernel: per sequence b, its query rows read from and added
+    into the padded buffers at rows cu_seqlens_q[b] + 64 b (the kernel's `padded_rows`), the rows
+    past the sequence's end in the last query block included (their LSE log2 e must be +inf there:
+    a finite value would add their P into dK, dV); keys from the packed k, v."""
+
+    def run(
+        q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group, left, right, softcap, cu_q, cu_k, max_k
+    ):
+        launches.append(
+            dict(q=q, dk=dk, sem=sem, lse2=lse2, max_k=max_k, window=(left, right), softcap=softcap)
+        )
+        assert q.shape[0] == 1 and lse2.shape[0] == 1 and dq_acc.shape[1] == lse2.shape[2]
+        assert (left >= 0, right >= 0) == window_sides and bool(softcap) == softcap_on
+        q, k, v, dout, lse2, delta, dq_acc, dk, dv = (
+            t[0] for t in (q, k, v, dout, lse2, delta, dq_acc, dk, dv)
+        )
+        kv_of = torch.arange(q.shape[1]) // group
+        for b in range(cu_q.shape[0] - 1):
+            q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+            sq, sk = q1 - q0, k1 - k0
+            if sk == 0 or sq == 0:
+                continue
+            rows = -(-sq // 64) * 64  # whole query blocks, as the kernel walks them
+            p0 = q0 + 64 * b
+            qq = torch.zeros(rows, *q.shape[1:], dtype=torch.float64)
+            do = torch.zeros(rows, *dout.shape[1:], dtype=torch.float64)
+            qq[:sq], do[:sq] = q[q0:q1].double(), dout[q0:q1].double()
+            qq[sq:] = 7.0  # rows past the end hold other data on the GPU: only +inf LSEs hide them
+            kk, vv = (t[k0:k1].double()[:, kv_of] for t in (k, v))
+            s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
+            dtanh = 1.0
+            if softcap_on:
+                t = torch.tanh(s / softcap)
+                s, dtanh = softcap * t, 1 - t * t
+            seen = visible_keys(torch.arange(rows), sq, sk, left, 0 if causal else right)
+            lse_rows, d_rows = lse2[:, p0 : p0 + rows].double(), delta[:, p0 : p0 + rows].double()
+            p = torch.where(seen, torch.exp2(s * math.log2(math.e) - lse_rows[..., None]), 0.0)
+            dp = torch.einsum("qhd,khd->hqk", do, vv)
+            ds = p * (dp - d_rows[..., None]) * dtanh
+            dq_acc[p0 : p0 + rows] += (torch.einsum("hqk,khd->qhd", ds, kk) * scale).float()
+            dk_heads = torch.einsum("hqk,qhd->khd", ds, qq) * scale
+            dv_heads = torch.einsum("hqk,qhd->khd", p, do)
+            if not atomic:
+                dk[k0:k1] = dk_heads.to(dk.dtype)
+                dv[k0:k1] = dv_heads.to(dv.dtype)
+            else:
+                dk[k0:k1].index_add_(1, kv_of, dk_heads.float())
+                dv[k0:k1].index_add_(1, kv_of, dv_heads.float())
+
+    return run
+
+
+@pytest.fixture
+def varlen_kernels(monkeypatch):
+    launches, keys = [], []
+    monkeypatch.setattr(sm90_bwd, "_compiled", {})
+
+    def compile_bwd(*key):
+        keys.append(key)
+        assert key[4] == 2 and key[-1] is True  # version 2, varlen
+        return varlen_kernel(launches, key[6], key[2], key[7:9], key[9])
+
+    monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
+    return launches, keys
+
+
+def varlen_inputs(lengths_q, lengths_k, heads=4, kv_heads=2, d=64, dtype=torch.bfloat16, **features):
+    from hopper_fmha.reference import reference_varlen
+
+    g = torch.Generator().manual_seed(len(lengths_q))
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads, d, generator=g).to(dtype)
+    k, v = (torch.randn(int(cu_k[-1]), kv_heads, d, generator=g).to(dtype) for _ in range(2))
+    out, lse = reference_varlen(q, k, v, cu_q, cu_k, softmax_scale=d**-0.5, **features)
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    return q, k, v, out.to(dtype), dout, lse, cu_q, cu_k
+
+
+@pytest.mark.parametrize(
+    "causal, features",
+    [(False, {}), (True, {}), (False, dict(window_size=(20, 3))), (True, dict(softcap=3.0)),
+     (True, dict(learnable_sink=True, window_size=(50, -1)))],
+    ids=["full", "causal", "window", "causal-softcap", "causal-left-sink"],
+)  # fmt: skip
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_varlen_gradients(varlen_kernels, causal, features, kv_heads, deterministic):
+    # Sequences of 70, 0, 1, 130 queries (an empty one, one of a single row, one of three blocks)
+    # against 90, 5, 0, 128 keys (one without keys): the gradients of torch's autograd of the
+    # per-sequence reference, dLSE included; the padded buffers and the gather are the host's.
+    from hopper_fmha.reference import reference_varlen
+
+    launches, keys = varlen_kernels
+    sink = None
+    if features.pop("learnable_sink", False):
+        sink = torch.randn(4, generator=torch.Generator().manual_seed(7))
+    lq, lk = [70, 0, 1, 130], [90, 5, 0, 128]
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs(
+        lq, lk, kv_heads=kv_heads, causal=causal, learnable_sink=sink, **features
+    )
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(8))
+    grads = sm90_bwd.backward_varlen(
+        q, k, v, out, dout, lse, cu_q, cu_k, 130, 128, 64**-0.5, causal, dlse=dlse,
+        deterministic=deterministic, learnable_sink=sink, **features,
+    )  # fmt: skip
+    (launch,) = launches
+    assert launch["max_k"] == 128 and launch["lse2"].shape == (1, 4, 201 + 4 * 64)
+    assert (launch["sem"] is not None) == deterministic
+    if deterministic:
+        assert launch["sem"].shape == (4, 4, 3) and not launch["sem"].any()
+    leaves = [t.double().requires_grad_() for t in (q, k, v)] + (
+        [] if sink is None else [sink.double().requires_grad_()]
+    )
+    o, l = reference_varlen(
+        *leaves[:3], cu_q, cu_k, softmax_scale=64**-0.5, causal=causal, dtype=torch.float64,
+        learnable_sink=None if sink is None else leaves[3], **features,
+    )  # fmt: skip
+    ref = torch.autograd.grad((o * dout.double()).sum() + (l * dlse.double()).sum(), leaves)
+    assert len(grads) == len(ref)
+    for name, ours, r in zip(("dq", "dk", "dv", "dsink"), grads, ref, strict=False):
+        assert ours.shape == r.shape, name
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_varlen_padding_rows_are_infinite(varlen_kernels):
+    # The query side's buffers: each sequence's rows at cu_seqlens_q[b] + 64 b, then 64 rows of
+    # +inf LSE (so a block's rows past the sequence get P = 0), D 0 there.
+    launches, _ = varlen_kernels
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([3, 65], [4, 70])
+    sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 65, 70, 0.125, False)
+    lse2 = launches[-1]["lse2"][0]
+    finite = torch.isfinite(lse2[0])
+    assert finite[:3].all() and not finite[3:67].any() and finite[67:132].all() and not finite[132:].any()
+    torch.testing.assert_close(lse2[:, 67:132], lse[:, 3:68] * math.log2(math.e))

@@ -67,28 +67,34 @@ def test_backward_compiles_without_spills(dtype, head_dim, causal, deterministic
     assert ("MEMBAR.ALL.GPU" in text) == deterministic
 
 
-# Score features (v2 only): (dtype, head dim, causal, deterministic, mha, dkv_atomic, left, right,
-# softcap). Each side of the window and softcap is a compile-key field (the sizes are runtime).
+# Score features and varlen (v2 only): (dtype, head dim, causal, deterministic, mha, dkv_atomic,
+# left, right, softcap, varlen). Each side of the window, softcap and varlen is a compile-key field
+# (the sizes and offsets are runtime).
 FEATURE_CONFIGS = [
-    ("bfloat16", 64, True, False, False, True, True, False, False),
-    ("bfloat16", 128, True, True, False, False, True, False, False),
-    ("bfloat16", 64, False, True, False, False, True, True, False),
-    ("bfloat16", 128, False, False, False, True, True, True, False),
-    ("bfloat16", 128, False, False, True, False, False, True, False),
-    ("bfloat16", 64, False, False, True, False, False, False, True),
-    ("bfloat16", 128, True, False, False, True, False, False, True),
-    ("float16", 128, True, True, False, False, True, False, True),
+    ("bfloat16", 64, True, False, False, True, True, False, False, False),
+    ("bfloat16", 128, True, True, False, False, True, False, False, False),
+    ("bfloat16", 64, False, True, False, False, True, True, False, False),
+    ("bfloat16", 128, False, False, False, True, True, True, False, False),
+    ("bfloat16", 128, False, False, True, False, False, True, False, False),
+    ("bfloat16", 64, False, False, True, False, False, False, True, False),
+    ("bfloat16", 128, True, False, False, True, False, False, True, False),
+    ("float16", 128, True, True, False, False, True, False, True, False),
+    ("bfloat16", 128, True, True, False, False, False, False, False, True),
+    ("bfloat16", 64, False, False, False, True, False, False, False, True),
+    ("bfloat16", 128, False, False, True, False, True, True, False, True),
+    ("bfloat16", 128, True, False, False, True, True, False, True, True),
 ]
 # Spills measured with both compilers (cu12 / cu13 ptxas), in bytes of stack: d128 with softcap
-# keeps a few loop-invariant addresses on the stack (reloaded once per query block), as does d128
-# deterministic with a two-sided window; every other configuration has none.
-FEATURE_STACK_LIMIT = {(128, "softcap"): 64, (128, "deterministic-both"): 16}
+# keeps a few loop-invariant addresses on the stack (reloaded once per query block: 56-64 B), as
+# do d128's two-sided windows (deterministic, or varlen: 8 B); every other configuration has none.
+FEATURE_STACK_LIMIT = {(128, "softcap"): 64, (128, "both"): 16}
 
 
 def feature_id(cfg):
-    dtype, d, causal, det, mha, atomic, left, right, softcap = cfg
+    dtype, d, causal, det, mha, atomic, left, right, softcap, varlen = cfg
     sides = {(True, True): "both", (True, False): "left", (False, True): "right"}.get((left, right), "")
-    parts = (dtype, f"d{d}", "causal" if causal else "", sides, "softcap" if softcap else "")
+    parts = (dtype, f"d{d}", "varlen" if varlen else "", "causal" if causal else "", sides)
+    parts += ("softcap" if softcap else "",)
     return "-".join(p for p in parts + ("det" if det else "mha" if mha else "gqa",) if p)
 
 
@@ -96,18 +102,18 @@ def feature_id(cfg):
 def test_backward_with_score_features_compiles(cfg):
     from hopper_fmha.kernels.sm90_bwd import compile_bwd
 
-    dtype, d, causal, det, mha, atomic, left, right, softcap = cfg
+    dtype, d, causal, det, mha, atomic, left, right, softcap, varlen = cfg
     with tempfile.TemporaryDirectory() as dump:
         compiled = compile_bwd(
-            dtype, d, causal, det, 2, mha, atomic, left, right, softcap,
+            dtype, d, causal, det, 2, mha, atomic, left, right, softcap, varlen,
             options=f"--keep-cubin --dump-dir={dump}",
         )  # fmt: skip
         cubin = compiled.artifacts.CUBIN
     limit = 0
     if softcap:
         limit = FEATURE_STACK_LIMIT.get((d, "softcap"), 0)
-    elif det and left and right:
-        limit = FEATURE_STACK_LIMIT.get((d, "deterministic-both"), 0)
+    elif left and right:
+        limit = FEATURE_STACK_LIMIT.get((d, "both"), 0)
     stack = kernel_resources(cubin)["stack_bytes"]
     assert stack <= limit, f"{stack} bytes of stack (limit {limit}): registers spill"
     try:

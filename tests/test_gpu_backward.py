@@ -2,7 +2,7 @@
 H200 on 2026-11-25, before the score features): dq, dk, dv against float64 autograd of the same
 attention, each within 2x the error of PyTorch's backward in the input dtype + a floor;
 FlashAttention's seqlen pairs (odd sizes, one key, rows without keys), MHA/GQA/MQA, causal or not,
-d = 64 and 128; windows, softcap and the learnable sink (v2; not yet run on a GPU)."""
+d = 64 and 128; windows, softcap, the learnable sink and varlen (v2; not yet run on a GPU)."""
 
 from __future__ import annotations
 
@@ -188,6 +188,83 @@ def test_score_features_backward(hopper_gpu, dtype, deterministic, d, feature, s
     check_grads(ours[:3], ref[:3], base[:3], dtype)
     if sink is not None:
         assert ours[3].shape == sink.shape and ours[3].dtype == sink.dtype
+        err = (ours[3].double() - ref[3]).abs().max().item()
+        tol = 2 * (base[3].double() - ref[3]).abs().max().item() + 1e-3 * max(1.0, ref[3].abs().max().item())
+        assert err <= tol, f"dsink: error {err:.3g} > {tol:.3g}"
+    if deterministic:
+        for a, b in zip(ours, torch.autograd.grad(out, inputs, dout), strict=True):
+            assert torch.equal(a, b)
+
+
+# ---- varlen: flash_attn_varlen_func's backward (v2, packed sequences; not yet run on a GPU) ----
+
+VARLEN_LENGTHS_Q = [0, 1, 63, 64, 65, 200, 513, 7]
+VARLEN_LENGTHS_K = [5, 0, 70, 64, 1, 333, 513, 9]
+VARLEN_CASES = {
+    "full": (False, {}),
+    "causal": (True, {}),
+    "causal-left": (True, dict(window=(100, -1))),
+    "both": (False, dict(window=(40, 20))),
+    "softcap": (False, dict(softcap=5.0)),
+    "sink": (True, dict(sink=True)),
+}
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_varlen_backward(hopper_gpu, dtype, deterministic, d, case, heads):
+    # Eight sequences, empty ones on either side, lengths around the 64-row query block and the
+    # 128-key block: each sequence's gradients as the dense attention's on its rows (float64
+    # reference, the same rule as above), the sink's summed over sequences. A query block's rows
+    # past its sequence must add nothing (they are the next sequence's rows in the packed tensor).
+    import hopper_fmha
+
+    causal, features = VARLEN_CASES[case]
+    h, hkv = HEADS[heads]
+    seed = zlib.crc32(repr(("varlen-bwd", case, d, heads, str(dtype))).encode())
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cu_q = torch.tensor(
+        [0, *torch.tensor(VARLEN_LENGTHS_Q).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
+    cu_k = torch.tensor(
+        [0, *torch.tensor(VARLEN_LENGTHS_K).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
+    q = torch.randn(int(cu_q[-1]), h, d, device="cuda", generator=g).to(dtype).requires_grad_()
+    k, v = (
+        torch.randn(int(cu_k[-1]), hkv, d, device="cuda", generator=g).to(dtype).requires_grad_()
+        for _ in "kv"
+    )
+    sink = torch.randn(h, device="cuda", generator=g).requires_grad_() if features.get("sink") else None
+    window, softcap = features.get("window", (-1, -1)), features.get("softcap", 0.0)
+    out = hopper_fmha.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(VARLEN_LENGTHS_Q), max(VARLEN_LENGTHS_K), causal=causal, window_size=window,
+        softcap=softcap, learnable_sink=sink, deterministic=deterministic,
+    )  # fmt: skip
+    dout = torch.randn_like(out)
+    inputs = (q, k, v) + ((sink,) if sink is not None else ())
+    ours = torch.autograd.grad(out, inputs, dout, retain_graph=deterministic)
+    ref_kw = dict(window=window, softcap=softcap, sink=sink)
+    per_dtype = {}
+    for ref_dtype in (torch.float64, dtype):
+        parts = [[], [], [], []]
+        for b in range(len(VARLEN_LENGTHS_Q)):
+            rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+            gb = grads(
+                q[None, rq], k[None, rk], v[None, rk], dout[None, rq], d**-0.5, causal, ref_dtype, **ref_kw
+            )
+            for i, (t, x) in enumerate(zip(gb[:3], (q[rq], k[rk], v[rk]), strict=True)):
+                parts[i].append(t[0] if t is not None else torch.zeros_like(x, dtype=ref_dtype))
+            if sink is not None:
+                parts[3].append(gb[3])
+        per_dtype[ref_dtype] = [torch.cat(p) for p in parts[:3]] + (
+            [sum(parts[3])] if sink is not None else []
+        )
+    ref, base = per_dtype[torch.float64], per_dtype[dtype]
+    check_grads(ours[:3], ref[:3], base[:3], dtype)
+    if sink is not None:
         err = (ours[3].double() - ref[3]).abs().max().item()
         tol = 2 * (base[3].double() - ref[3]).abs().max().item() + 1e-3 * max(1.0, ref[3].abs().max().item())
         assert err <= tol, f"dsink: error {err:.3g} > {tol:.3g}"

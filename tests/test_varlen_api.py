@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hopper_fmha import flash_attn_varlen_func, interface
-from hopper_fmha.reference import reference_varlen
+from hopper_fmha.reference import reference_varlen, visible_keys
 
 pytestmark = pytest.mark.cpu
 
@@ -177,12 +177,102 @@ def test_bad_offsets_are_refused_before_any_launch(cpu_kernel):
     assert cpu_kernel == []
 
 
-def test_inputs_requiring_grad_are_refused(cpu_kernel):
+@pytest.fixture
+def cpu_backward(monkeypatch):
+    """`kernels.sm90_bwd.backward_varlen` replaced by its contract in float64, per sequence: P from
+    the forward's lse, dS = P (dP - D) (1 - tanh^2 with softcap), D = rowsum(dO O) - dlse, the
+    sink's gradient -sum exp(sink - lse) D; records each call's arguments. (Autograd is off inside
+    a custom op's backward, so the formulas are written out.)"""
+    sm90_bwd = pytest.importorskip("hopper_fmha.kernels.sm90_bwd")  # the op imports it
+
+    calls = []
+
+    def backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, scale, causal, *, dlse,
+                        deterministic, window_size, softcap, learnable_sink):  # fmt: skip
+        calls.append(dict(causal=causal, window=window_size, softcap=softcap, det=deterministic, dlse=dlse,
+                          sink=learnable_sink, max=(max_q, max_k)))  # fmt: skip
+        group = q.shape[1] // k.shape[1]
+        q, k, v, out, dout = (t.double() for t in (q, k, v, out, dout))
+        delta = (out * dout).sum(-1).T - (dlse.double() if dlse is not None else 0)  # (h, total_q)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for b in range(cu_q.numel() - 1):
+            rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+            kk, vv = (t[rk].repeat_interleave(group, dim=1) for t in (k, v))
+            s = torch.einsum("qhd,khd->hqk", q[rq], kk) * scale
+            dtanh = 1.0
+            if softcap:
+                t = torch.tanh(s / softcap)
+                s, dtanh = softcap * t, 1 - t * t
+            sq, sk = s.shape[1], s.shape[2]
+            seen = visible_keys(torch.arange(sq), sq, sk, window_size[0], 0 if causal else window_size[1])
+            p = torch.where(seen, torch.exp(s - lse[:, rq].double()[..., None]), 0.0)
+            ds = p * (torch.einsum("qhd,khd->hqk", dout[rq], vv) - delta[:, rq, None]) * dtanh
+            dq[rq] = torch.einsum("hqk,khd->qhd", ds, kk) * scale
+            dk_h = torch.einsum("hqk,qhd->khd", ds, q[rq]) * scale
+            dv_h = torch.einsum("hqk,qhd->khd", p, dout[rq])
+            dk[rk] = dk_h.view(sk, k.shape[1], group, k.shape[2]).sum(2)
+            dv[rk] = dv_h.view(sk, k.shape[1], group, v.shape[2]).sum(2)
+        grads = tuple(
+            g.to(out_dtype) for g, out_dtype in zip((dq, dk, dv), (torch.float16,) * 3, strict=True)
+        )
+        if learnable_sink is None:
+            return grads
+        p_sink = torch.exp(learnable_sink.double()[:, None] - lse.double())
+        return grads + (-(p_sink * delta).sum(1).float(),)
+
+    monkeypatch.setattr(sm90_bwd, "backward_varlen", backward_varlen)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "causal,window,softcap,sink",
+    [(False, (-1, -1), 0.0, False), (True, (-1, -1), 0.0, False), (False, (4, 2), 0.0, False),
+     (True, (3, -1), 2.0, True)],
+)  # fmt: skip
+def test_gradients_through_the_varlen_op(cpu_kernel, cpu_backward, causal, window, softcap, sink):
+    # flash_attn_varlen_func is differentiable: the forward runs with the exact LSE through the
+    # `hopper_fmha::varlen_fwd` op, whose backward (`hopper_fmha::varlen_bwd`) gets the resolved
+    # features, dLSE and deterministic; the gradients (the sink's too) are the reference's.
     q, k, v, cu_q, cu_k, max_q, max_k = packed()
-    with pytest.raises(RuntimeError, match="no backward pass yet"):
-        flash_attn_varlen_func(q.requires_grad_(), k, v, cu_q, cu_k, max_q, max_k)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sink_t = torch.linspace(-1, 1, 4).requires_grad_() if sink else None
+    out, lse = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window, softcap=softcap,
+        learnable_sink=sink_t, return_lse=True, deterministic=True,
+    )  # fmt: skip
+    assert out.grad_fn is not None and cpu_kernel[-1]["exact_lse"] is True
+    g = torch.Generator().manual_seed(1)
+    dout, dlse = torch.randn(out.shape, generator=g).to(out.dtype), torch.randn(lse.shape, generator=g)
+    ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    (call,) = cpu_backward
+    assert call["det"] is True and call["max"] == (max_q, max_k) and call["dlse"] is not None
+    assert call["window"] == ((cpu_kernel[-1]["window"] or (-1, -1)) if window != (-1, -1) else (-1, -1))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sink_t.detach().double().requires_grad_() if sink else None
+    o, l = reference_varlen(
+        *leaves, cu_q, cu_k, causal=causal, window_size=window, softcap=softcap, learnable_sink=sink_leaf,
+        dtype=torch.float64,
+    )  # fmt: skip
+    ref = torch.autograd.grad(
+        (o * dout.double()).sum() + (l * dlse.double()).sum(), leaves + ([sink_leaf] if sink else [])
+    )
+    for name, ours, r in zip("qkv", (q.grad, k.grad, v.grad), ref, strict=False):
+        torch.testing.assert_close(ours.double(), r, rtol=1e-2, atol=1e-2, msg=name)
+    if sink:
+        torch.testing.assert_close(sink_t.grad.double(), ref[3], rtol=1e-3, atol=1e-3)
+
+
+def test_varlen_backward_refuses_what_it_does_not_serve(cpu_kernel):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    used = torch.tensor([5, 0, 10, 0, 9], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="does not support seqused_k"):
+        flash_attn_varlen_func(q.requires_grad_(), k, v, cu_q, cu_k, max_q, max_k, seqused_k=used)
+    qq, kk, vv, *_ = packed(head_dim=96)
+    with pytest.raises(NotImplementedError, match="head_dim 64 and 128"):
+        flash_attn_varlen_func(qq.requires_grad_(), kk, vv, cu_q, cu_k, max_q, max_k)
+    assert cpu_kernel == []  # refused before the forward
     with torch.no_grad():
-        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k=used)
     assert len(cpu_kernel) == 1
 
 

@@ -13,8 +13,9 @@ heads past 65535, torch.compile(fullgraph=True)), and on by default.
 What the kernel serves: fp16/bf16, head_dim 64 or 128 (v's the same), causal or not, MHA/GQA/MQA,
 deterministic or not, sliding windows, softcap and the learnable sink (whose gradient the host
 reduces from the kernel's row sums: `sink_gradient`; windows and softcap are the kernel's, compile
-tier only, not yet run on a GPU). Other head dims and varlen are refused before the forward runs,
-with the rule named.
+tier only, not yet run on a GPU). `flash_attn_varlen_func` has the same backward through
+`hopper_fmha::varlen_bwd` (also not yet run on a GPU; without seqused_k). Other head dims are
+refused before the forward runs, with the rule named.
 """
 
 from __future__ import annotations
@@ -174,4 +175,84 @@ def fwd_backward(ctx, dout, dlse):
     grads = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
     if want_sink:
         grads[_SINK_INPUT] = dsink
+    return tuple(grads)
+
+
+# ---- varlen: the backward op and the autograd of hopper_fmha::varlen_fwd ----
+
+
+@torch.library.custom_op("hopper_fmha::varlen_bwd", mutates_args=())
+def _varlen_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    deterministic: bool,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_bwd` for packed sequences (`kernels.sm90_bwd.backward_varlen`); lse, dlse (h, total_q)."""
+    _check_dout(dout, out)
+    from hopper_fmha.kernels.sm90_bwd import backward_varlen
+
+    grads = backward_varlen(
+        q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        causal, dlse=dlse, deterministic=deterministic, window_size=(window_left, window_right),
+        softcap=softcap, learnable_sink=learnable_sink,
+    )  # fmt: skip
+    if learnable_sink is None:
+        return grads + (torch.empty(0, device=q.device, dtype=torch.float32),)
+    return grads
+
+
+@_varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, causal, det, *features):
+    sink = features[3] if len(features) > 3 else None
+    dsink = q.new_empty((0,) if sink is None else sink.shape, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
+# The varlen forward op's inputs: (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+# max_seqlen_k, softmax_scale, causal, tile_m, tile_n, return_lse, window_left, window_right,
+# softcap, learnable_sink, deterministic); outputs (out, lse).
+_VARLEN_SINK_INPUT = 16
+
+
+def varlen_fwd_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal = inputs[:10]
+    return_lse, left, right, softcap, sink, det = inputs[12:]
+    out, lse = output
+    ctx.unsupported = None
+    if not return_lse:
+        ctx.unsupported = "an LSE computed without return_lse (its fast path is not exact)"
+    elif seqused_k is not None:
+        ctx.unsupported = "seqused_k"
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sink)
+    ctx.args = (max_q, max_k, scale, causal, det, left, right, softcap)
+
+
+def varlen_fwd_backward(ctx, dout, dlse):
+    if ctx.unsupported is not None:  # flash_attn_varlen_func refuses these before the forward
+        raise NotImplementedError(f"hopper_fmha's varlen backward pass does not support {ctx.unsupported}")
+    q, k, v, out, lse, cu_q, cu_k, sink = ctx.saved_tensors
+    max_q, max_k, scale, causal, det, left, right, softcap = ctx.args
+    want_sink = sink is not None and ctx.needs_input_grad[_VARLEN_SINK_INPUT]
+    dq, dk, dv, dsink = torch.ops.hopper_fmha.varlen_bwd(
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, causal, det, left, right, softcap,
+        sink if want_sink else None,
+    )  # fmt: skip
+    grads = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
+    if want_sink:
+        grads[_VARLEN_SINK_INPUT] = dsink
     return tuple(grads)

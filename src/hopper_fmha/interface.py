@@ -127,6 +127,7 @@ def flash_attn_varlen_func(
     *,
     seqused_k: torch.Tensor | None = None,
     learnable_sink: torch.Tensor | None = None,
+    deterministic: bool = False,
     tile: tuple[int, int] | None = None,
 ):
     """`flash_attn_func` on packed sequences of different lengths (FlashAttention's varlen API).
@@ -142,6 +143,7 @@ def flash_attn_varlen_func(
         softmax_scale, causal, window_size, softcap, learnable_sink: as `flash_attn_func`, per
             sequence (the mask aligned to each sequence's bottom-right corner).
         seqused_k: (batch,) int32 or None: only the first seqused_k[b] keys of sequence b count.
+        deterministic: as `flash_attn_func`'s (the backward's dq summation order).
         tile: optional (tile_m, tile_n) override of the ws kernel's tile (tests, benchmarks).
 
     Returns:
@@ -166,8 +168,14 @@ def flash_attn_varlen_func(
     )  # fmt: skip
     if cfg is None:  # no score feature: the ws kernel's config at the longest key sequence
         cfg = _select(shape.head_dim, causal, shape.max_seqlen_k, "ws", tile, _selector(), head_dim_v)
-    if backward.grad_needed(q, k, v, learnable_sink):
-        raise backward.no_backward("flash_attn_varlen_func")
+    grad = backward.grad_needed(q, k, v, learnable_sink)
+    if grad:
+        backward.check_supported(shape.head_dim, shape.head_dim_v, deterministic)
+        if seqused_k is not None:
+            raise NotImplementedError(
+                "hopper_fmha's varlen backward pass does not support seqused_k (forward only: call under "
+                "torch.no_grad())"
+            )
     _check_device(q, k, v)
     if features is not None and features.sink is not None and features.sink.device != q.device:
         raise RuntimeError(f"learnable_sink must be on q's device {q.device}, got {features.sink.device}")
@@ -183,10 +191,11 @@ def flash_attn_varlen_func(
         scale,
         causal,
     )
-    if torch.compiler.is_compiling():
+    if grad or torch.compiler.is_compiling():
+        # Through the dispatcher: autograd records the op (its backward needs the exact LSE).
         left, right, cap, sink = features if features is not None else (-1, -1, 0.0, None)
         out, lse = torch.ops.hopper_fmha.varlen_fwd(
-            *args, cfg.tile_m, cfg.tile_n, return_lse, left, right, cap, sink
+            *args, cfg.tile_m, cfg.tile_n, return_lse or grad, left, right, cap, sink, deterministic
         )
     else:
         out, lse = _varlen_fwd_impl(*args, cfg, return_lse, features)
@@ -698,7 +707,9 @@ def _varlen_fwd(
     window_right: int = -1,
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # deterministic: the backward's (`backward.varlen_fwd_backward`); the forward is the same.
     dv = v.shape[2]
     cfg = config.select_config(q.shape[2], "ws", (tile_m, tile_n), None if dv == q.shape[2] else dv)
     features = ScoreFeatures.from_op(window_left, window_right, softcap, learnable_sink)
@@ -714,3 +725,4 @@ def _(q, k, v, *args):
 
 
 _fwd.register_autograd(backward.fwd_backward, setup_context=backward.fwd_setup_context)
+_varlen_fwd.register_autograd(backward.varlen_fwd_backward, setup_context=backward.varlen_fwd_setup_context)

@@ -107,10 +107,13 @@ class BwdSm90:
         window_size_left: Int32,
         window_size_right: Int32,
         softcap: Float32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        max_seqlen_k: Int32,
         stream: cuda.CUstream,
     ):
-        # window_size_left/right and softcap: v2's (`sm90_bwd_ws`); this kernel has none of them
-        # and takes them unused, so that both versions launch alike.
+        # window_size_left/right, softcap and the varlen arguments: v2's (`sm90_bwd_ws`); this
+        # kernel has none of them and takes them unused, so that both versions launch alike.
         # Sequence first, as TMA and WGMMA take them: (s, d, h, b); LSE and D (s, h, b).
         mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -384,13 +387,19 @@ _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 
 
 def fake_arguments(
-    dtype, head_dim: int, deterministic: bool = False, mha: bool = False, dkv_atomic: bool = False
+    dtype,
+    head_dim: int,
+    deterministic: bool = False,
+    mha: bool = False,
+    dkv_atomic: bool = False,
+    varlen: bool = False,
 ):
     """Compile-time stand-ins for `BwdSm90.__call__`'s arguments: sizes symbolic, 16-bit and fp32
     tensors with TMA-ready strides (multiples of 8 elements, 16-byte aligned), LSE and D's last
     mode contiguous, the semaphores (deterministic mode) contiguous; the stream TVM-FFI's current one.
     dK, dV: fp32 per q head, or (mha) in the inputs' type, the gradients themselves, or
-    (dkv_atomic) fp32 per kv head."""
+    (dkv_atomic) fp32 per kv head. varlen: cu_seqlens_q/k int32 (batch + 1,) (the 16-bit and fp32
+    tensors then hold the packed rows with a batch mode of 1, and LSE, D, dQacc the padded ones)."""
     b, sq, sk, h, hkv, nm, sp = (cute.sym_int() for _ in range(7))
 
     def bshd(seqlen, heads, elem):
@@ -415,7 +424,13 @@ def fake_arguments(
         )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = (Float32(1.0), Int32(1), Int32(-1), Int32(-1), Float32(0.0))  # scale, group, window, softcap
-    return (q, k, v, do, bhs(), bhs(), dq, dk, dv, sem, *scalars, stream)
+    cu_q = cu_k = None
+    if varlen:
+        cu_q, cu_k = (
+            cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+            for _ in range(2)
+        )
+    return (q, k, v, do, bhs(), bhs(), dq, dk, dv, sem, *scalars, cu_q, cu_k, Int32(0), stream)
 
 
 # The kernel `backward` runs: 1 = `BwdSm90` (one warpgroup per 64 keys), 2 = `sm90_bwd_ws.BwdWsSm90`
@@ -439,10 +454,12 @@ def compile_bwd(
     window_left: bool = False,
     window_right: bool = False,
     softcap: bool = False,
+    varlen: bool = False,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
-    window_left/right, softcap: the score features the kernel handles (version 2 only).
+    window_left/right, softcap: the score features the kernel handles; varlen: packed sequences
+    (version 2 only).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
@@ -450,14 +467,14 @@ def compile_bwd(
         from .sm90_bwd_ws import BwdWsSm90
 
         kernel = BwdWsSm90(
-            dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap
+            dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen
         )
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
-        assert not (window_left or window_right or softcap), "version 1 has no window or softcap"
+        assert not (window_left or window_right or softcap or varlen), "version 1: no window, softcap, varlen"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic)
     return cute.compile(
-        kernel, *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic), options=opts
+        kernel, *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic, varlen), options=opts
     )
 
 
@@ -559,7 +576,7 @@ def backward(
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // TILE), device=q.device, dtype=torch.int32)
-    key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features)
+    key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -572,7 +589,7 @@ def backward(
             fn(
                 q[b, :, h], k[b, :, kv], v[b, :, kv], dout[b, :, h], lse2[b, h], delta[b, h],
                 dq_acc[b, :, h], dk[b, :, dkv], dv[b, :, dkv], None if sem is None else sem[b, h],
-                softmax_scale, group, left, right, float(softcap),
+                softmax_scale, group, left, right, float(softcap), None, None, 0,
             )  # fmt: skip
     else:
         dk.zero_()
@@ -586,3 +603,104 @@ def backward(
     from hopper_fmha.backward import sink_gradient
 
     return grads + (sink_gradient(lse, delta[..., :seqlen_q], learnable_sink),)
+
+
+def backward_varlen(
+    q,
+    k,
+    v,
+    out,
+    dout,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    *,
+    dlse=None,
+    deterministic=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    learnable_sink=None,
+):
+    """`backward` for `flash_attn_varlen_func`'s packed sequences (version 2): q, out, dout
+    (total_q, h, d), k, v (total_k, h_kv, d), lse and dlse (h, total_q) float32, cu_seqlens_q/k
+    (batch + 1,) int32 on q's device (checked by the forward), max_seqlen_q/k at least the longest
+    sequences. Returns (dq, dk, dv), and dsink fourth with learnable_sink.
+
+    The query side's fp32 buffers (LSE log2 e, D, dQacc) hold each sequence's rows followed by
+    TILE_M rows of padding (+inf, 0, 0): sequence b's rows start at cu_seqlens_q[b] + TILE_M * b,
+    so a 64-row query block never reads or adds into the next sequence's rows (the kernel's
+    `padded_rows`). D and LSE log2 e come from torch here (the preprocess kernel is dense-only),
+    scattered into that layout; dq is gathered back from it."""
+    import torch
+
+    dtype_name = str(q.dtype).removeprefix("torch.")
+    total_q, heads, d = q.shape
+    total_k, kv_heads = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    if dtype_name not in _DTYPES or d not in HEAD_DIMS or v.shape[2] != d:
+        raise NotImplementedError(
+            f"the backward kernel takes float16/bfloat16 with head_dim in {HEAD_DIMS} (v's the same); "
+            f"got {q.dtype}, head_dim {d}, head_dim_v {v.shape[2]}"
+        )
+    if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
+        raise NotImplementedError(
+            f"the varlen backward launches one grid: at most {GRID_YZ_MAX} sequences and q heads, "
+            f"got {batch} and {heads}"
+        )
+    if dout.shape != out.shape or dout.dtype != out.dtype:
+        raise ValueError(
+            f"dout must match out: {tuple(out.shape)} {out.dtype}, got {tuple(dout.shape)} {dout.dtype}"
+        )
+    left, right = (int(x) for x in window_size)
+    if causal:
+        right = -1
+    q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
+    device = q.device
+    # Each packed row's place in the padded buffers: its row + TILE_M * its sequence.
+    rows = torch.arange(total_q, device=device)
+    padded = rows + TILE * torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
+    total_pad = total_q + TILE * batch
+    from hopper_fmha.backward import row_delta
+
+    delta_rows = row_delta(out[None], dout[None], None if dlse is None else dlse[None])[0]  # (h, total_q)
+    delta = torch.zeros(heads, total_pad, device=device, dtype=torch.float32)
+    lse2 = torch.full((heads, total_pad), float("inf"), device=device, dtype=torch.float32)
+    lse = lse.float()
+    delta[:, padded] = delta_rows
+    lse2[:, padded] = torch.where(lse == -float("inf"), float("inf"), lse * LOG2_E)
+    dq_acc = torch.zeros(total_pad, heads, d, device=device, dtype=torch.float32)
+    group = heads // kv_heads
+    mha = group == 1
+    atomic = not mha and not deterministic
+    # Zeroed: keys past max_seqlen_k (a max_seqlen_k below the truth) get no CTA.
+    if atomic:
+        dk = torch.zeros(total_k, kv_heads, d, device=device, dtype=torch.float32)
+    else:
+        dk = torch.zeros(total_k, heads, d, device=device, dtype=q.dtype if mha else torch.float32)
+    dv = torch.zeros_like(dk)
+    sem = None
+    if deterministic:
+        sem = torch.zeros(batch, heads, max(1, -(-max_seqlen_q // TILE)), device=device, dtype=torch.int32)
+    key = (dtype_name, d, bool(causal), bool(deterministic), 2, mha, atomic, left >= 0, right >= 0)
+    key = key + (bool(softcap), True)
+    fn = _compiled.get(key)
+    if fn is None:
+        fn = _compiled[key] = compile_bwd(*key)
+    if total_k > 0 and total_q > 0 and batch > 0 and max_seqlen_k > 0:
+        fn(
+            q[None], k[None], v[None], dout[None], lse2[None], delta[None], dq_acc[None], dk[None], dv[None],
+            sem, softmax_scale, group, left, right, float(softcap), cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+        )  # fmt: skip
+    if not mha and not atomic:
+        dk = dk.view(total_k, kv_heads, group, d).sum(2)
+        dv = dv.view(total_k, kv_heads, group, d).sum(2)
+    grads = (dq_acc[padded].to(q.dtype), dk.to(q.dtype), dv.to(q.dtype))
+    if learnable_sink is None:
+        return grads
+    from hopper_fmha.backward import sink_gradient
+
+    return grads + (sink_gradient(lse[None], delta_rows[None], learnable_sink),)

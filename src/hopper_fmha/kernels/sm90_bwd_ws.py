@@ -91,12 +91,14 @@ class BwdWsSm90(BwdSm90):
         window_left: bool = False,
         window_right: bool = False,
         softcap: bool = False,
+        varlen: bool = False,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
         group's additions varies: not with deterministic); else they are written per q head.
         window_left / window_right: the rows' windows have that side (`mask.Mask`: not a right
-        side with causal); softcap: the scores were capped (sizes and cap: `__call__`'s)."""
+        side with causal); softcap: the scores were capped (sizes and cap: `__call__`'s).
+        varlen: packed sequences (`__call__`'s cu_seqlens; the module docstring's layouts)."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -108,6 +110,7 @@ class BwdWsSm90(BwdSm90):
         self.window_left = window_left
         self.window_right = window_right
         self.softcap = softcap
+        self.varlen = varlen
         # Query tiles of 64 rows, key tiles of the CTA's 128 keys.
         self.mask = Mask(TILE_M, TILE_N, causal, window_left, window_right)
         # Deterministic turns descend from a query block's last key block when rows have a right
@@ -154,6 +157,9 @@ class BwdWsSm90(BwdSm90):
         window_size_left: Int32,
         window_size_right: Int32,
         softcap: Float32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        max_seqlen_k: Int32,
         stream: cuda.CUstream,
     ):
         d = self.head_dim
@@ -200,11 +206,14 @@ class BwdWsSm90(BwdSm90):
             sD: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 128]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 1024]
 
+        # Key blocks x q heads x batch (varlen: of the longest key sequence x heads x sequences).
         grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE_N), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        if const_expr(self.varlen):
+            grid = ((max_seqlen_k + TILE_N - 1) // TILE_N, cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, mdK, mdV, mSem, softmax_scale,
-            qhead_per_kvhead, window_size_left, window_size_right, softcap,
+            qhead_per_kvhead, window_size_left, window_size_right, softcap, mCuSeqlensQ, mCuSeqlensK,
             kv_layout, q_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
 
@@ -234,6 +243,8 @@ class BwdWsSm90(BwdSm90):
         window_size_left: Int32,
         window_size_right: Int32,
         softcap: Float32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
         kv_layout: cute.ComposedLayout,
         q_layout: cute.ComposedLayout,
         ds_layout: cute.ComposedLayout,
@@ -245,13 +256,20 @@ class BwdWsSm90(BwdSm90):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head, batch = cute.arch.block_idx()
-        seqlen = SeqlenInfo(0, mQ.shape[0], 0, mK.shape[0])
+        if const_expr(self.varlen):
+            seqlen = SeqlenInfo.create(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        else:
+            seqlen = SeqlenInfo(0, mQ.shape[0], 0, mK.shape[0])
         mask = self.mask.with_window(window_size_left, window_size_right)
-        num_n = (seqlen.seqlen_k + TILE_N - 1) // TILE_N
         if const_expr(self.deterministic and self.descending):
-            n_block = num_n - 1 - n_block  # later key blocks first: they take the earlier turns
+            # Later key blocks first: they take the earlier turns (varlen: the grid's blocks
+            # past a sequence's keys have no work).
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block
         # The query blocks that see a key of this CTA's (the mask's rule, from the key side).
         m_min, m_max = mask.query_block_range(n_block, seqlen)
+        if const_expr(self.varlen):
+            if n_block * TILE_N >= seqlen.seqlen_k:  # past this sequence's keys: nothing to do
+                m_max = m_min
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -296,7 +314,7 @@ class BwdWsSm90(BwdSm90):
                 self.producer(
                     tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE,
                     mLSE, tma_atom_D, mD, sQ, sdO, sK, sV, sLSE, sD, mbar_KV, pipes, n_block, head,
-                    head // qhead_per_kvhead, batch, m_min, m_max,
+                    head // qhead_per_kvhead, batch, seqlen, m_min, m_max,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(REGISTERS[1])
@@ -312,18 +330,18 @@ class BwdWsSm90(BwdSm90):
     def producer(
         self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
         tma_atom_D, mD, sQ, sdO, sK, sV, sLSE, sD, mbar_KV, pipes, n_block, head, head_kv, batch,
-        m_min, m_max,
+        seqlen, m_min, m_max,
     ):  # fmt: skip
         """One warp: K and V of the CTA's keys once, then Q (with its rows' LSE log2 e) and dO
         (with D) of every query block it walks, each into the next free stage of its pipeline."""
         d = self.head_dim
         pipe_q, pipe_do = pipes
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
-        gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
-        gLSE = cute.local_tile(mLSE[None, head, batch], (TILE_M,), (None,))
-        gD = cute.local_tile(mD[None, head, batch], (TILE_M,), (None,))
+        gK = cute.local_tile(seqlen.rows(mK, head_kv, batch, seqlen.offset_k), (TILE_N, d), (n_block, 0))
+        gV = cute.local_tile(seqlen.rows(mV, head_kv, batch, seqlen.offset_k), (TILE_N, d), (n_block, 0))
+        gQ = cute.local_tile(seqlen.rows(mQ, head, batch, seqlen.offset_q), (TILE_M, d), (None, 0))
+        gdO = cute.local_tile(seqlen.rows(mdO, head, batch, seqlen.offset_q), (TILE_M, d), (None, 0))
+        gLSE = cute.local_tile(self.padded_rows(mLSE, head, batch, seqlen), (TILE_M,), (None,))
+        gD = cute.local_tile(self.padded_rows(mD, head, batch, seqlen), (TILE_M,), (None,))
 
         def partition(atom, smem_tile, gmem_tiles):
             s_grouped, g_grouped = cute.group_modes(smem_tile, 0, 2), cute.group_modes(gmem_tiles, 0, 2)
@@ -500,7 +518,7 @@ class BwdWsSm90(BwdSm90):
                 if const_expr(self.descending):
                     turn = n_max - 1 - n_block
                 self.wait_turn(mSem, m_block, head, batch, turn, tidx)
-            self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, tidx)
+            self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
             if const_expr(self.deterministic):
                 self.pass_turn(mSem, m_block, head, batch, tidx)
             warpgroup.wait_group(0)  # dK done: Q's stage goes back to the producer
@@ -510,7 +528,21 @@ class BwdWsSm90(BwdSm90):
         if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         out_head = head_kv if const_expr(self.dkv_atomic) else head
-        self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen.seqlen_k)
+        self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen)
+
+    @cute.jit
+    def padded_rows(self, mX, head, batch, seqlen):
+        """Head `head`'s rows of a query-side buffer padded to whole query blocks (LSE log2 e and
+        D (s_pad, h, b), dQacc (s_pad, d, h, b)): dense, batch `batch`'s; varlen, sequence
+        `batch`'s, whose rows start at offset_q + TILE_M * batch (the host leaves TILE_M rows
+        after each sequence, so a query block never reaches the next sequence's rows)."""
+        if const_expr(cute.rank(mX) == 3):
+            if const_expr(not self.varlen):
+                return mX[None, head, batch]
+            return cute.domain_offset((seqlen.offset_q + TILE_M * batch,), mX[None, head, 0])
+        if const_expr(not self.varlen):
+            return mX[None, None, head, batch]
+        return cute.domain_offset((seqlen.offset_q + TILE_M * batch, 0), mX[None, None, head, 0])
 
     @cute.jit
     def load_rows(self, tScS, sRows, stage):
@@ -625,7 +657,7 @@ class BwdWsSm90(BwdSm90):
         cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
 
     @cute.jit
-    def issue_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, tidx):
+    def issue_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx):
         """dQacc[block m_block][:, half w] += warpgroup w's sdQ buffer: one TMA reduce-add issued
         by the warpgroup's first warp. Deterministic: waited for until its writes are done (the
         turn passes after them); else in flight while the loop goes on."""
@@ -633,7 +665,9 @@ class BwdWsSm90(BwdSm90):
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         if tidx % WARPGROUP < 32:
             sdQ_wg = sdQ[None, None, wg]
-            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (TILE_M, d // 2), (m_block, wg))
+            gdQ = cute.local_tile(
+                self.padded_rows(mdQacc, head, batch, seqlen), (TILE_M, d // 2), (m_block, wg)
+            )
             s_grouped, g_grouped = cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
             tdQs, tdQg = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), s_grouped, g_grouped)
             cute.copy(tma_atom_dQ, tdQs, tdQg)
@@ -642,7 +676,7 @@ class BwdWsSm90(BwdSm90):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen_k):
+    def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen):
         """dK * scale and dV of this CTA's keys, rows inside the sequence: stored in mdK's type
         (fp32 per q head with GQA, the inputs' type with MHA) at q head `head`, or (dkv_atomic)
         added into kv head `head`'s fp32 sums."""
@@ -650,7 +684,9 @@ class BwdWsSm90(BwdSm90):
         cK_mn = cute.make_tensor(cK.iterator, acc_mn_layout(cK.layout))
         dK_mn = cute.make_tensor(acc_dK.iterator, acc_mn_layout(acc_dK.layout))
         dV_mn = cute.make_tensor(acc_dV.iterator, acc_mn_layout(acc_dV.layout))
-        gdK, gdV = mdK[None, None, head, batch], mdV[None, None, head, batch]
+        gdK = seqlen.rows(mdK, head, batch, seqlen.offset_k)
+        gdV = seqlen.rows(mdV, head, batch, seqlen.offset_k)
+        seqlen_k = seqlen.seqlen_k
         pair = ir.VectorType.get([2], ir.F32Type.get())
         for r in cutlass.range_constexpr(cute.size(dK_mn, mode=[0])):
             key = n0 + cK_mn[r, 0][0]
