@@ -684,7 +684,9 @@ def backward_varlen(
     dv = torch.zeros_like(dk)
     sem = None
     if deterministic:
-        sem = torch.zeros(batch, heads, max(1, -(-max_seqlen_q // TILE)), device=device, dtype=torch.int32)
+        # A counter per query block of any sequence: sized by total_q, not max_seqlen_q, so that a
+        # max_seqlen_q below the truth (unchecked under graph capture) cannot index past them.
+        sem = torch.zeros(batch, heads, max(1, -(-total_q // TILE)), device=device, dtype=torch.int32)
     key = (dtype_name, d, bool(causal), bool(deterministic), 2, mha, atomic, left >= 0, right >= 0)
     key = key + (bool(softcap), True)
     fn = _compiled.get(key)

@@ -687,6 +687,12 @@ class BwdWsSm90(BwdSm90):
         gdK = seqlen.rows(mdK, head, batch, seqlen.offset_k)
         gdV = seqlen.rows(mdV, head, batch, seqlen.offset_k)
         seqlen_k = seqlen.seqlen_k
+        if const_expr(self.varlen):
+            # Offsets the host could not check (CUDA graph capture, torch.compile) are cut at the
+            # packed tensor's ends: no store out of bounds.
+            seqlen_k = cutlass.min(seqlen_k, mdK.shape[0] - seqlen.offset_k)
+            if seqlen.offset_k < 0:
+                seqlen_k = Int32(0)
         pair = ir.VectorType.get([2], ir.F32Type.get())
         for r in cutlass.range_constexpr(cute.size(dK_mn, mode=[0])):
             key = n0 + cK_mn[r, 0][0]
