@@ -269,10 +269,10 @@ def test_sink_gradient_without_keys(cpu_kernels):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(head_dim=96), "head_dim 64 and 128"),
-        (dict(head_dim=256), "head_dim 64 and 128"),
+        (dict(head_dim=192), "head dims up to 128"),
+        (dict(head_dim=256), "head dims up to 128"),
     ],
-    ids=["d96", "d256"],
+    ids=["d192", "d256"],
 )
 def test_unsupported_backward_is_refused_before_the_forward(cpu_kernels, kwargs, match):
     head_dim = kwargs.pop("head_dim", 64)

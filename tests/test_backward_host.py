@@ -401,3 +401,49 @@ def test_varlen_padding_rows_are_infinite(varlen_kernels):
     finite = torch.isfinite(lse2[0])
     assert finite[:3].all() and not finite[3:67].any() and finite[67:132].all() and not finite[132:].any()
     torch.testing.assert_close(lse2[:, 67:132], lse[:, 3:68] * math.log2(math.e))
+
+
+@pytest.mark.parametrize(
+    "d, dv, kernel_d",
+    [(96, 96, 128), (80, 64, 128), (32, 32, 64), (48, 64, 64), (64, 32, 64), (128, 72, 128)],
+)
+def test_other_head_dims_run_the_next_kernel_on_padded_copies(kernels, d, dv, kernel_d):
+    # Zero columns add nothing to S, dP or D: the next kernel up on padded copies gives the exact
+    # gradients, cut back to the inputs' head dims.
+    launches, keys = kernels
+    g = torch.Generator().manual_seed(d + dv)
+    q = torch.randn(2, 70, 4, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(2, 75, 2, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, 75, 2, dv, generator=g).to(torch.bfloat16)
+    out, lse = reference(q, k, v, d**-0.5, True)
+    dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
+    grads = sm90_bwd.backward(q, k, v, out.to(q.dtype), dout, lse, d**-0.5, True)
+    assert keys[-1][1] == kernel_d and launches[-1]["q"].shape[-1] == kernel_d
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*leaves, d**-0.5, True, dtype=torch.float64)
+    ref = torch.autograd.grad(o, leaves, dout.double())
+    for name, ours, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        assert ours.shape == r.shape and ours.is_contiguous(), name
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_head_dims_past_128_are_refused(kernels):
+    q = torch.zeros(1, 8, 2, 192, dtype=torch.bfloat16)
+    v = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="head dims up to 128.*head_dim 192, head_dim_v 128"):
+        sm90_bwd.backward(q, q, v, v, v, torch.zeros(1, 2, 8), 0.1, False)
+
+
+def test_varlen_head_dim_96(varlen_kernels):
+    from hopper_fmha.reference import reference_varlen
+
+    launches, keys = varlen_kernels
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 33], [90, 5, 40], d=96, causal=True)
+    grads = sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 70, 90, 96**-0.5, True)
+    assert keys[-1][1] == 128 and launches[-1]["q"].shape[-1] == 128
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=96**-0.5, causal=True, dtype=torch.float64)
+    ref = torch.autograd.grad(o, leaves, dout.double())
+    for name, ours, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        assert ours.shape == r.shape, name
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)

@@ -2,7 +2,8 @@
 H200 on 2026-11-25, before the score features): dq, dk, dv against float64 autograd of the same
 attention, each within 2x the error of PyTorch's backward in the input dtype + a floor;
 FlashAttention's seqlen pairs (odd sizes, one key, rows without keys), MHA/GQA/MQA, causal or not,
-d = 64 and 128; windows, softcap, the learnable sink and varlen (v2; not yet run on a GPU)."""
+d = 64 and 128; windows, softcap, the learnable sink, varlen and other head dims up to 128 (v2;
+not yet run on a GPU)."""
 
 from __future__ import annotations
 
@@ -194,6 +195,31 @@ def test_score_features_backward(hopper_gpu, dtype, deterministic, d, feature, s
     if deterministic:
         for a, b in zip(ours, torch.autograd.grad(out, inputs, dout), strict=True):
             assert torch.equal(a, b)
+
+
+# ---- head dims other than 64 and 128: the next kernel up on zero-padded copies (not yet run) ----
+
+PADDED_DIMS = [(32, 32), (80, 80), (96, 96), (96, 64), (128, 96), (40, 24)]
+
+
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=["113x203", "1023x1024"])
+@pytest.mark.parametrize("dims", PADDED_DIMS, ids=[f"d{a}-dv{b}" for a, b in PADDED_DIMS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_padded_head_dims(hopper_gpu, dtype, causal, dims, seqlens):
+    import hopper_fmha
+
+    d, dv = dims
+    sq, sk = seqlens
+    seed = zlib.crc32(repr(("padded", dims, causal, seqlens, str(dtype))).encode())
+    q, k, _ = make_inputs(2, sq, sk, 6, 2, d, dtype, seed)
+    v = make_inputs(2, sq, sk, 6, 2, dv, dtype, seed + 1)[2]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = hopper_fmha.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    ref = grads(q, k, v, dout, d**-0.5, causal, torch.float64)
+    check_grads(ours, ref, grads(q, k, v, dout, d**-0.5, causal, dtype), dtype)
 
 
 # ---- varlen: flash_attn_varlen_func's backward (v2, packed sequences; not yet run on a GPU) ----

@@ -10,7 +10,8 @@ Status: verified on an H200 GPU on 2026-11-25 (`tests/test_gpu_backward.py`: bot
 seqlen grid, autograd through `flash_attn_func`, bitwise-reproducible deterministic mode, batch and
 heads past 65535, torch.compile(fullgraph=True)), and on by default.
 
-What the kernel serves: fp16/bf16, head_dim 64 or 128 (v's the same), causal or not, MHA/GQA/MQA,
+What the kernel serves: fp16/bf16, head dims up to 128 (64 and 128 natively, the others on
+zero-padded copies, v's may differ), causal or not, MHA/GQA/MQA,
 deterministic or not, sliding windows, softcap and the learnable sink (whose gradient the host
 reduces from the kernel's row sums: `sink_gradient`; windows and softcap are the kernel's, compile
 tier only, not yet run on a GPU). `flash_attn_varlen_func` has the same backward through
@@ -23,6 +24,8 @@ from __future__ import annotations
 import torch
 
 HEAD_DIMS = (64, 128)  # = kernels.sm90_bwd.HEAD_DIMS (that module needs the CuTe DSL to import)
+# Other head dims up to the largest run the next kernel up on zero-padded copies
+# (`kernels.sm90_bwd.kernel_head_dim`).
 
 
 def grad_needed(q, k, v, sink=None) -> bool:
@@ -40,11 +43,11 @@ def check_supported(head_dim: int, head_dim_v: int, deterministic) -> None:
     variant serves: the backward needs only out and the exact LSE (score features included)."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
-    if head_dim not in HEAD_DIMS or head_dim_v != head_dim:
+    if head_dim > HEAD_DIMS[-1] or head_dim_v > HEAD_DIMS[-1]:
         raise NotImplementedError(
-            f"hopper_fmha's backward pass supports head_dim {' and '.join(map(str, HEAD_DIMS))} with v's "
-            f"head_dim equal; got head_dim {head_dim}, head_dim_v {head_dim_v} (forward only: call under "
-            "torch.no_grad())"
+            f"hopper_fmha's backward pass supports head dims up to {HEAD_DIMS[-1]} (q, k's and v's; "
+            f"{' and '.join(map(str, HEAD_DIMS))} natively, others padded to the next); got head_dim "
+            f"{head_dim}, head_dim_v {head_dim_v} (forward only: call under torch.no_grad())"
         )
 
 

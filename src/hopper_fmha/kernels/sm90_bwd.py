@@ -481,6 +481,35 @@ def compile_bwd(
 _compiled: dict = {}
 
 
+def kernel_head_dim(head_dim: int, head_dim_v: int) -> int:
+    """The kernels' head dim for q, k's `head_dim` and v's `head_dim_v`: the smallest of HEAD_DIMS
+    at least as large as both. The host zero-pads q, k, v, out and dout to it, which is exact:
+    zero columns add nothing to S = Q K^T, dP = dO V^T or D = rowsum(dO O), and the padding's
+    gradients are dropped. Raises NotImplementedError past the largest (no kernel yet)."""
+    for kd in HEAD_DIMS:
+        if head_dim <= kd and head_dim_v <= kd:
+            return kd
+    raise NotImplementedError(
+        f"the backward kernels take head dims up to {HEAD_DIMS[-1]} (q, k's and v's); got head_dim "
+        f"{head_dim}, head_dim_v {head_dim_v}"
+    )
+
+
+def _padded(tensors, kd: int):
+    """The tensors with their last mode zero-padded to kd."""
+    import torch.nn.functional as F
+
+    return [t if t.shape[-1] == kd else F.pad(t, (0, kd - t.shape[-1])) for t in tensors]
+
+
+def _unpadded(grads, head_dim: int, head_dim_v: int):
+    """dq, dk, dv cut back to the inputs' head dims (contiguous), the rest (dsink) as it is."""
+    dq, dk, dv = (
+        g[..., :n].contiguous() for g, n in zip(grads[:3], (head_dim, head_dim, head_dim_v), strict=True)
+    )
+    return (dq, dk, dv) + tuple(grads[3:])
+
+
 def row_stats(out, dout, lse, dlse):
     """(D, LSE log2 e) as the kernels read them: (b, h, s_pad) float32, s_pad = s_q rounded up to
     64, D = rowsum(dout * out) - dlse, +inf and 0 past s_q and +inf where lse = -inf
@@ -544,15 +573,20 @@ def backward(
     dtype_name = str(q.dtype).removeprefix("torch.")
     batch, seqlen_q, heads, d = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
-    if dtype_name not in _DTYPES or d not in HEAD_DIMS or v.shape[3] != d:
-        raise NotImplementedError(
-            f"the backward kernel takes float16/bfloat16 with head_dim in {HEAD_DIMS} (v's the same); "
-            f"got {q.dtype}, head_dim {d}, head_dim_v {v.shape[3]}"
-        )
+    if dtype_name not in _DTYPES:
+        raise NotImplementedError(f"the backward kernel takes float16/bfloat16, got {q.dtype}")
     if dout.shape != out.shape or dout.dtype != out.dtype:
         raise ValueError(
             f"dout must match out: {tuple(out.shape)} {out.dtype}, got {tuple(dout.shape)} {dout.dtype}"
         )
+    kd = kernel_head_dim(d, v.shape[3])
+    if kd != d or kd != v.shape[3]:  # the next kernel up, on zero-padded copies
+        grads = backward(
+            *_padded((q, k, v, out, dout), kd), lse, softmax_scale, causal, dlse=dlse,
+            deterministic=deterministic, version=version, window_size=window_size, softcap=softcap,
+            learnable_sink=learnable_sink,
+        )  # fmt: skip
+        return _unpadded(grads, d, v.shape[3])
     version = DEFAULT_VERSION if version is None else version
     left, right = (int(x) for x in window_size)
     if causal:
@@ -641,11 +675,16 @@ def backward_varlen(
     total_q, heads, d = q.shape
     total_k, kv_heads = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
-    if dtype_name not in _DTYPES or d not in HEAD_DIMS or v.shape[2] != d:
-        raise NotImplementedError(
-            f"the backward kernel takes float16/bfloat16 with head_dim in {HEAD_DIMS} (v's the same); "
-            f"got {q.dtype}, head_dim {d}, head_dim_v {v.shape[2]}"
-        )
+    if dtype_name not in _DTYPES:
+        raise NotImplementedError(f"the backward kernel takes float16/bfloat16, got {q.dtype}")
+    kd = kernel_head_dim(d, v.shape[2])
+    if kd != d or kd != v.shape[2]:  # the next kernel up, on zero-padded copies
+        grads = backward_varlen(
+            *_padded((q, k, v, out, dout), kd), lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, dlse=dlse, deterministic=deterministic, window_size=window_size,
+            softcap=softcap, learnable_sink=learnable_sink,
+        )  # fmt: skip
+        return _unpadded(grads, d, v.shape[2])
     if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
         raise NotImplementedError(
             f"the varlen backward launches one grid: at most {GRID_YZ_MAX} sequences and q heads, "
