@@ -664,6 +664,10 @@ class BwdWsSm90(BwdSm90):
         d = self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         if tidx % WARPGROUP < 32:
+            if const_expr(self.deterministic):
+                # The turn was acquired by a generic-proxy load; the reduce-add is an async-proxy
+                # write: the PTX memory model orders the two only through a proxy fence.
+                cute.arch.fence_proxy("async.global")
             sdQ_wg = sdQ[None, None, wg]
             gdQ = cute.local_tile(
                 self.padded_rows(mdQacc, head, batch, seqlen), (TILE_M, d // 2), (m_block, wg)
@@ -674,6 +678,7 @@ class BwdWsSm90(BwdSm90):
             cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_proxy("async.global")  # its writes before the turn's release
 
     @cute.jit
     def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen):
