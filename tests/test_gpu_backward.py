@@ -197,6 +197,21 @@ def test_score_features_backward(hopper_gpu, dtype, deterministic, d, feature, s
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_row_stats_torch_fallback(hopper_gpu, monkeypatch, causal):
+    # D and LSE log2 e from torch (`row_stats` without the preprocess kernel): the same gradients.
+    import hopper_fmha
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "PREPROCESS_KERNEL", False)
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 333, 301, 4, 2, 128, torch.bfloat16, 17))
+    out = hopper_fmha.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout)
+    ref = grads(q, k, v, dout, d_scale(q), causal, torch.float64)
+    check_grads(ours, ref, grads(q, k, v, dout, d_scale(q), causal, torch.bfloat16), torch.bfloat16)
+
+
 # ---- head dims other than 64 and 128: the next kernel up on zero-padded copies (not yet run) ----
 
 PADDED_DIMS = [(32, 32), (80, 80), (96, 96), (96, 64), (128, 96), (40, 24)]
