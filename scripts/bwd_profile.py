@@ -19,7 +19,7 @@ from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
 
 
 @cute.jit
-def _no_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, tidx):
+def _no_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx):
     pass
 
 
