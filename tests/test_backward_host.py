@@ -447,3 +447,18 @@ def test_varlen_head_dim_96(varlen_kernels):
     for name, ours, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
         assert ours.shape == r.shape, name
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_bwd_profile_probes_match_the_methods_they_replace():
+    # scripts/bwd_profile.py swaps kernel methods for no-ops: their parameters must stay the same.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "scripts" / "bwd_profile.py"
+    spec = importlib.util.spec_from_file_location("bwd_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for method, probe in module.PROBES.values():
+        ours = inspect.signature(inspect.unwrap(probe)).parameters
+        theirs = inspect.signature(inspect.unwrap(getattr(BwdWsSm90, method))).parameters
+        assert list(ours) == list(theirs), method
