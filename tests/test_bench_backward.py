@@ -53,7 +53,7 @@ def test_training_flops_are_2_5_and_3_5_times_the_forward():
         pass_flops(1.0, "bwd+fwd")
 
 
-def test_training_problems_are_dense_and_told_apart():
+def test_training_problems_are_told_apart():
     p = Problem(4, 4096, 4096, 16, 16, 128, causal=True, passes=FWD_BWD)
     assert p.training and not dataclasses.replace(p, passes=FWD).training
     assert p.label() == "B4 N4096 H16 d128 fp16 causal fwd+bwd"
@@ -68,9 +68,7 @@ def test_training_problems_are_dense_and_told_apart():
     assert p.output_bytes == 4 * 4 * 4096 * 16 * 128 * 2  # out, dq, dk, dv
     with pytest.raises(ValueError, match="passes must be one of"):
         Problem(1, 64, 64, 2, 2, 64, passes="backward")
-    with pytest.raises(ValueError, match="dense problems only"):
-        Problem(2, 5, 5, 2, 2, 64, seqlens=(3, 5), passes=BWD)
-    with pytest.raises(ValueError, match="dense problems only"):
+    with pytest.raises(ValueError, match="timed on dense and varlen problems"):
         dataclasses.replace(Problem.decode(2, 64, 4, 2, 64), passes=BWD)
 
 
@@ -104,7 +102,7 @@ def test_backward_preset_grid_and_backends():
     assert [dataclasses.replace(p, dtype="float16") for p in problems[12:]] == list(preset.problems)
     # `hopper-fmha bench --help` lists it, among the choices and in the presets' descriptions.
     text = _bench_help()
-    assert "{backward,decode,features,host,paper,sweep,tiles,varlen}" in text
+    assert "{backward,backward-features,decode,features,host,paper,sweep,tiles,varlen}" in text
     assert "\n  backward the paper's problems" in text
     assert "backends hopper-fmha:auto, fa4, sdpa-cudnn, sdpa-flash, all through autograd" in text
 

@@ -54,6 +54,12 @@ presets:
           N4096 H16, causal off/on), learnable sink (B4 N4096 d64 H32 causal); backends
           hopper-fmha:auto, fa4, sdpa-cudnn (no window/softcap/sink: skipped there); reports
           ours ÷ FA4, window ÷ causal and softcap ÷ plain (12 problems)
+  backward-features the backward on varlen and score-feature problems, bf16, each as "bwd" then
+          "fwd+bwd": the varlen preset's packed batch (d128 H 32/8, causal off/on), window
+          (4096, 0) after causal (B1 N16384 d128 H16), softcap 30 after plain (B4 N4096 d128
+          H16, causal off/on), sink after plain (B4 N4096 d64 H32 causal); backends
+          hopper-fmha:auto, hopper-fmha:auto+det, fa4, through autograd; dq, dk, dv checked
+          (20 problems)
 
 backends (--backends, comma separated): hopper-fmha (every variant), hopper-fmha:<variant>,
   hopper-fmha:<variant>@<M>x<N>, a "+lse" suffix (return_lse=True), sdpa-flash (FA2),

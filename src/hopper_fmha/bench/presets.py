@@ -58,6 +58,20 @@ features: the forward's score features and head dims, bf16, kv heads = heads, ea
        so those cells are skipped, not emulated with a mask; the head dims it may take or refuse).
        The report's features table gives per problem ours ÷ FA4 (target ≥ 1.0) and ours ÷ ours on
        the twin (window ÷ causal, softcap ÷ plain, sink ÷ plain: target ≥ 0.9).
+backward-features: the backward's newer problems, bf16, each as "bwd" then "fwd+bwd" (as the
+       backward preset: through autograd, eager time only, FLOPs 2.5 and 3.5 times the forward's,
+       dq, dk, dv checked against the fp32 reference's): (a) varlen: the varlen preset's packed
+       batch (24 sequences of `varlen_lengths()`, 32 q heads / 8 kv heads, d128), causal off and
+       on (FLOPs per sequence); (b) sliding window: B=1 N=16384 d128 H16 causal, then causal with
+       window_size (4096, 0) (FLOPs on the visible pairs; N half the features preset's, for the
+       backward's time and the fp32 reference's memory); (c) softcap: B=4 N=4096 d128 H16, causal
+       off and on, each without then with softcap 30; (d) learnable sink: B=4 N=4096 d64 H32
+       causal, without then with a sink (`registry.sink_logits`, requiring grad: the backends
+       compute its gradient; the check covers dq, dk, dv, not the sink's). Backends: ours
+       (`hopper-fmha:auto`: flash_attn_func, or flash_attn_varlen_func on the packed batch), ours
+       deterministic (`hopper-fmha:auto+det`) and FA4 (the same keywords and calls as in the
+       features and varlen presets). 20 problems. The report's features table gives ours ÷ FA4
+       and ÷ ours on the twin for each pass, the varlen table ours ÷ FA4.
 """
 
 from __future__ import annotations
@@ -145,10 +159,10 @@ def varlen_lengths(
 
 
 def dense_twin(p: Problem) -> Problem:
-    """The dense problem a varlen one is compared with (module docstring)."""
+    """The dense problem a varlen one is compared with (module docstring), in the same pass."""
     rms = math.sqrt(sum(n * n for n in p.seqlens) / len(p.seqlens))
     n = max(128, round(rms / 128) * 128)
-    return Problem(p.batch, n, n, p.heads, p.kv_heads, p.head_dim, p.causal, p.dtype)
+    return Problem(p.batch, n, n, p.heads, p.kv_heads, p.head_dim, p.causal, p.dtype, passes=p.passes)
 
 
 def varlen() -> Preset:
@@ -239,9 +253,30 @@ def features() -> Preset:
     return Preset("features", tuple(problems), FEATURE_BACKENDS)
 
 
+BACKWARD_FEATURE_WINDOW_SEQLEN = 16384
+BACKWARD_FEATURE_BACKENDS = ("hopper-fmha:auto", "hopper-fmha:auto+det", "fa4")
+
+
+def backward_features() -> Preset:
+    """The varlen, sliding-window, softcap and sink problems, each timed as the backward alone
+    then as the forward and the backward, each feature problem's passes after its twin's (module
+    docstring)."""
+    bf16 = "bfloat16"
+    varlens = [Problem.varlen(varlen_lengths(), 32, 8, 128, c, bf16) for c in (False, True)]
+    causal = _problem(1, BACKWARD_FEATURE_WINDOW_SEQLEN, 128, True, bf16)
+    dense = [causal, dataclasses.replace(causal, window_size=FEATURE_WINDOW)]
+    for c in (False, True):
+        plain = _problem(4, 4096, 128, c, bf16)
+        dense += [plain, dataclasses.replace(plain, softcap=FEATURE_SOFTCAP)]
+    plain = _problem(4, 4096, 64, True, bf16)
+    dense += [plain, dataclasses.replace(plain, sink=True)]
+    problems = [dataclasses.replace(p, passes=x) for p in varlens + dense for x in TRAINING_PASSES]
+    return Preset("backward-features", tuple(problems), BACKWARD_FEATURE_BACKENDS)
+
+
 PRESETS = {
     "paper": paper, "sweep": sweep, "tiles": tiles, "host": host, "varlen": varlen, "decode": decode,
-    "backward": backward, "features": features,
+    "backward": backward, "features": features, "backward-features": backward_features,
 }  # fmt: skip
 
 

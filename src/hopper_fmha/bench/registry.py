@@ -17,7 +17,7 @@ suffix (deterministic=True: the backward's fixed dQ order; the backward preset),
 
 Varlen problems (`Problem.seqlens`: a packed batch of sequences of different lengths) take packed
 inputs (q, k, v, cu_seqlens) and a backend's `varlen` builder: ours (`flash_attn_varlen_func`,
-the ws kernel: auto and ws, with a tile, schedule or +lse), `fa4` (FlashAttention-4's
+the ws kernel: auto and ws, with a tile, schedule, +lse or +det), `fa4` (FlashAttention-4's
 `flash_attn_varlen_func`) and `hopper-fmha:padded` (our dense `flash_attn_func` on the batch
 zero-padded to the longest sequence, the way to run such a batch without varlen: one call, its
 output unpadded before the check, its FLOPs those of the real tokens). Every other backend skips
@@ -39,18 +39,22 @@ of the same answer, not of the tokens read. `copy` (`COPY`): the bandwidth yards
 device-to-device copy (`dst.copy_(src)`, cudaMemcpy) of `Problem.kv_bytes` bytes, timed in the
 same run as the kernels; its output is not attention and is not checked (`COPY_UNCHECKED`).
 
-Training problems (`Problem.passes` "bwd" or "fwd+bwd", the `backward` preset) take the inputs
-(q, k, v, dout) and run every backend's dense `build` through autograd (`autograd_call`): the
-backward alone (the forward run once beforehand, untimed) or the forward then the backward, each
-call returning (dq, dk, dv). The backends that build no dense forward (`hopper-fmha:padded`,
-`copy`) skip them.
+Training problems (`Problem.passes` "bwd" or "fwd+bwd", the `backward` and `backward-features`
+presets) take the inputs (q, k, v, dout), or for a varlen problem (q, k, v, cu_seqlens, dout), and
+run every backend's forward (`Backend.forward`: `build`, or `varlen` on packed inputs) through
+autograd (`autograd_call`): the backward alone (the forward run once beforehand, untimed) or the
+forward then the backward, each call returning (dq, dk, dv). Score features reach the forward as
+in a forward problem (below), the sink requiring grad (a learnable sink is trained: the backends'
+backward computes its gradient, which the call does not return). The backends without such a
+forward skip them (`copy`; `hopper-fmha:padded`, whose padding runs once at build time, outside
+the timed call and its graph).
 
-Score features (`Problem.window_size`, `softcap`, `sink`, the `features` preset) and v's head dim
-(`Problem.head_dim_v`), dense forward problems only: each backend gets them through its own
-keywords, spelled out in one function per backend so that a renamed keyword is one line to fix.
-Ours and the reference: `feature_kwargs` (window_size=(left, right), softcap=,
-learnable_sink= float32). FA4: `fa4_feature_kwargs` (its cute flash_attn_func's window_size with
-None for a side without limit, softcap=, learnable_sink= in bfloat16, the dtype it asserts);
+Score features (`Problem.window_size`, `softcap`, `sink`, the `features` preset; dense problems,
+forward or training) and v's head dim (`Problem.head_dim_v`, dense forward problems only): each
+backend gets them through its own keywords, spelled out in one function per backend so that a
+renamed keyword is one line to fix. Ours and the reference: `feature_kwargs` (window_size=(left,
+right), softcap=, learnable_sink= float32). FA4: `fa4_feature_kwargs` (its cute flash_attn_func's
+window_size with None for a side without limit, softcap=, learnable_sink= in bfloat16);
 where the installed FA4's flash_attn_func lacks one of those keywords the cell is skipped with
 the keyword named (`missing_keywords`), never called without it. SDPA (cuDNN and the others)
 has no window, softcap or sink: such cells are skipped (`SDPA_NO_FEATURES`), not emulated with
@@ -108,16 +112,18 @@ class Problem:
     (`kv_bytes`); the FLOPs 4·H·seqlen_q·len·d per sequence, not halved for causal (a few
     queries at the end of a long cache see nearly every key).
 
-    Training (`passes` "bwd" or "fwd+bwd", dense problems only; "fwd", the default, is the
-    forward): the backward alone or the forward then the backward, timed through autograd
-    (`autograd_call`); the FLOPs 2.5 or 3.5 times the forward's (`flops.pass_flops`).
+    Training (`passes` "bwd" or "fwd+bwd", dense or varlen problems, score features included;
+    "fwd", the default, is the forward): the backward alone or the forward then the backward,
+    timed through autograd (`autograd_call`); the FLOPs 2.5 or 3.5 times the forward's
+    (`flops.pass_flops`: the forward's as counted below, per sequence or per visible pair).
 
-    Score features (dense forward problems only): `window_size` (left, right), a sliding window
-    as `hopper_fmha.flash_attn_func`'s ((-1, -1): none; causal sets right = 0), `softcap` (0:
-    off), `sink` (a learnable_sink of shape (heads,), `sink_logits`), and `head_dim_v`, v's
-    head dim where it differs from q's and k's (None: the same; equal to head_dim reads as None).
-    FLOPs: 2·(d + dv) per visible (query, key) pair under a window (`flops.window_flops`),
-    else 2·B·H·Nq·Nk·(d + dv), halved for causal; softcap and sink add none."""
+    Score features (dense problems, forward or training): `window_size` (left, right), a sliding
+    window as `hopper_fmha.flash_attn_func`'s ((-1, -1): none; causal sets right = 0), `softcap`
+    (0: off), `sink` (a learnable_sink of shape (heads,), `sink_logits`), and `head_dim_v`, v's
+    head dim where it differs from q's and k's (None: the same; equal to head_dim reads as None;
+    dense forward problems only: no backward cell uses it). FLOPs: 2·(d + dv) per visible
+    (query, key) pair under a window (`flops.window_flops`), else 2·B·H·Nq·Nk·(d + dv), halved
+    for causal; softcap and sink add none."""
 
     batch: int
     seqlen_q: int
@@ -160,13 +166,14 @@ class Problem:
             raise ValueError("cache_seqlens and page_size belong to decode problems (kvcache=True)")
         if self.passes not in PASS_FLOPS:
             raise ValueError(f"passes must be one of {tuple(PASS_FLOPS)}, got {self.passes!r}")
-        if self.training and (self.kvcache or self.seqlens is not None):
-            raise ValueError(f"passes={self.passes!r} (a backward) is timed on dense problems only")
+        if self.training and self.kvcache:
+            raise ValueError(f"passes={self.passes!r} (a backward) is timed on dense and varlen problems")
         self._check_features()
 
     def _check_features(self) -> None:
         """window_size a pair of ints >= -1 (a JSON list back to a tuple), softcap a finite float
-        >= 0, head_dim_v positive (equal to head_dim: None), all on dense forward problems only."""
+        >= 0, head_dim_v positive (equal to head_dim: None); the features on dense problems only,
+        head_dim_v on dense forward problems only."""
         try:
             window = tuple(int(side) for side in self.window_size)
         except (TypeError, ValueError):
@@ -186,12 +193,11 @@ class Problem:
                 raise ValueError(f"head_dim_v must be positive, got {self.head_dim_v}")
             if self.head_dim_v == self.head_dim:  # one problem, one label
                 object.__setattr__(self, "head_dim_v", None)
-        if (self.has_features or self.head_dim_v) and (
-            self.kvcache or self.seqlens is not None or self.training
-        ):
+        dense = not self.kvcache and self.seqlens is None
+        if ((self.has_features or self.head_dim_v) and not dense) or (self.head_dim_v and self.training):
             raise ValueError(
-                "score features (window_size, softcap, sink) and head_dim_v are timed on dense forward "
-                "problems only"
+                "score features (window_size, softcap, sink) are timed on dense problems only, forward or "
+                "training; head_dim_v on dense forward problems only (no backward cell uses it)"
             )
 
     def _check_cache(self) -> None:
@@ -283,17 +289,21 @@ class Problem:
 
     @property
     def flops(self) -> float:
+        """FLOPs of the passes timed: `pass_flops` of the forward's (class docstring)."""
         if self.kvcache:
             per_key = attention_flops(1, self.heads, self.seqlen_q, 1, self.head_dim)
             return per_key * sum(self.cache_lengths)
-        if self.seqlens is None:
-            shape = (self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim)
-            if self.window_size != NO_WINDOW:
-                left, right = window_bounds(self.causal, self.window_size)
-                return window_flops(*shape, left, right, self.head_dim_v)
-            forward = attention_flops(*shape, self.causal, self.head_dim_v)
-            return pass_flops(forward, self.passes)
-        return sum(attention_flops(1, self.heads, n, n, self.head_dim, self.causal) for n in self.seqlens)
+        return pass_flops(self._forward_flops(), self.passes)
+
+    def _forward_flops(self) -> float:
+        """One forward's FLOPs: per sequence for a varlen problem, per visible pair under a window."""
+        if self.seqlens is not None:
+            return sum(attention_flops(1, self.heads, n, n, self.head_dim, self.causal) for n in self.seqlens)
+        shape = (self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim)
+        if self.window_size != NO_WINDOW:
+            left, right = window_bounds(self.causal, self.window_size)
+            return window_flops(*shape, left, right, self.head_dim_v)
+        return attention_flops(*shape, self.causal, self.head_dim_v)
 
     def _rows(self) -> tuple[int, int]:
         """(query rows, key rows) over all sequences."""
@@ -404,14 +414,18 @@ class Backend:
     unchecked: str | None = None  # why its output is not checked (not attention), if it is not
 
     def make(self, p: Problem, *inputs) -> Callable[[], Any]:
-        """The call on one input set: `build` for a dense problem, `varlen` for a varlen one,
-        `kvcache` for a decode one, `autograd_call` (around `build`) for a training one."""
+        """The call on one input set: `kvcache` for a decode problem, `autograd_call` (around
+        `forward`) for a training one, else `forward`."""
         if p.kvcache:
             if self.kvcache is None:
                 raise BackendSkip(f"{self.name} has no KV-cache (decode) call in this bench")
             return self.kvcache(p, *inputs)
         if p.training:
             return autograd_call(self, p, *inputs)
+        return self.forward(p, *inputs)
+
+    def forward(self, p: Problem, *inputs) -> Callable[[], Any]:
+        """The forward call: `build` for a dense problem, `varlen` for a varlen one (packed inputs)."""
         if p.seqlens is None:
             return self.build(p, *inputs)
         if self.varlen is None:
@@ -425,12 +439,14 @@ def first_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def autograd_call(backend: Backend, p: Problem, q, k, v, dout) -> Callable[[], Any]:
-    """A training problem's call on one input set (q, k, v, dout), built the same way for every
-    backend: its forward (`backend.build`) on leaves that require grad (q, k, v detached), then
-    `torch.autograd.grad(out, (q, k, v), dout)`, out being the forward's output (the first of
-    (out, lse)) and dout transposed to match an output in the "bhsd" layout. The call returns
-    (dq, dk, dv) in the layout of q, k, v (BSHD) for every backend.
+def autograd_call(backend: Backend, p: Problem, q, k, v, *rest) -> Callable[[], Any]:
+    """A training problem's call on one input set, (q, k, v, dout) or for a varlen problem (q, k,
+    v, cu_seqlens, dout), built the same way for every backend: its forward (`backend.forward`)
+    on leaves that require grad (q, k, v detached; a sink gets requires_grad from
+    `feature_kwargs`), then `torch.autograd.grad(out, (q, k, v), dout)`, out being the forward's
+    output (the first of (out, lse)) and dout transposed to match an output in the "bhsd" layout.
+    The call returns (dq, dk, dv) in the layout of q, k, v (BSHD, or packed rows) for every
+    backend.
 
     passes "bwd": the forward runs once here, outside the timed call, and the call is the grad
     alone, with retain_graph=True so that it can be repeated; "fwd+bwd": the call runs the forward
@@ -438,8 +454,13 @@ def autograd_call(backend: Backend, p: Problem, q, k, v, dout) -> Callable[[], A
     which reports the backend as skipped for this problem."""
     import torch
 
+    if backend.layout == "padded":
+        # Its padding runs once at build: a graph through it could not be run again (fwd+bwd),
+        # and it would not be the padded forward alone that is timed.
+        raise BackendSkip(f"{backend.name} times the forward only (its padding runs once, at build time)")
+    *lens, dout = rest  # (cu_seqlens,) for a varlen problem, else ()
     leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
-    forward = backend.build(p, *leaves)
+    forward = backend.forward(p, *leaves, *lens)
     grad_out = dout.transpose(1, 2) if backend.layout == "bhsd" else dout
     if p.passes == BWD:
         out = first_output(forward())
@@ -487,22 +508,26 @@ def sink_logits(p: Problem, device=None):
 
 def feature_kwargs(p: Problem, device=None) -> dict:
     """The score-feature keywords of our flash_attn_func and of `hopper_fmha.reference` (the same
-    names): window_size=(left, right), softcap=, learnable_sink= (float32, `sink_logits`), each
-    only where the problem sets it, so that a plain problem's call is unchanged."""
+    names): window_size=(left, right), softcap=, learnable_sink= (float32, `sink_logits`;
+    requiring grad in a training problem, as a learnable sink is trained), each only where the
+    problem sets it, so that a plain problem's call is unchanged."""
     kwargs: dict[str, Any] = {}
     if p.window_size != NO_WINDOW:
         kwargs["window_size"] = p.window_size
     if p.softcap:
         kwargs["softcap"] = p.softcap
     if p.sink:
-        kwargs["learnable_sink"] = sink_logits(p, device)
+        kwargs["learnable_sink"] = sink_logits(p, device).requires_grad_(p.training)
     return kwargs
 
 
 def fa4_feature_kwargs(p: Problem, device=None) -> dict:
-    """The same for FA4's cute flash_attn_func (as of flash-attn-4 4.0.0b36): window_size=(left,
-    right) with None for a side without limit (its -1 is no such marker), softcap=, and
-    learnable_sink= in bfloat16 (the dtype it asserts). Only where set, as `feature_kwargs`."""
+    """The same for FA4's cute flash_attn_func and flash_attn_varlen_func (as of flash-attn-4
+    4.0.0b36): window_size=(left, right) with None for a side without limit (its -1 is no such
+    marker), softcap=, and learnable_sink= in bfloat16 (the dtype earlier versions assert;
+    4.0.0b36 takes float16 and float32 too), a leaf requiring grad in a training problem
+    (4.0.0b36's backward computes the sink's gradient on sm90). Only where set, as
+    `feature_kwargs`."""
     kwargs: dict[str, Any] = {}
     if p.window_size != NO_WINDOW:
         kwargs["window_size"] = tuple(None if side < 0 else side for side in p.window_size)
@@ -511,7 +536,7 @@ def fa4_feature_kwargs(p: Problem, device=None) -> dict:
     if p.sink:
         import torch
 
-        kwargs["learnable_sink"] = sink_logits(p, device).to(torch.bfloat16)
+        kwargs["learnable_sink"] = sink_logits(p, device).to(torch.bfloat16).requires_grad_(p.training)
     return kwargs
 
 
@@ -682,7 +707,8 @@ def _ours(
         checked(p, "ws")
         fn = _import_skip("hopper_fmha", "flash_attn_varlen_func")
         lens = (cu_seqlens, cu_seqlens, p.seqlen_q, p.seqlen_k)
-        return scheduled(lambda: fn(q, k, v, *lens, causal=p.causal, return_lse=lse, tile=tile))
+        kwargs = {"deterministic": True} if deterministic else {}
+        return scheduled(lambda: fn(q, k, v, *lens, causal=p.causal, return_lse=lse, tile=tile, **kwargs))
 
     def build_kvcache(p: Problem, q, k_cache, v_cache, cache_seqlens, page_table):
         if variant not in (None, "ws"):

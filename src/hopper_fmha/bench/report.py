@@ -18,17 +18,18 @@ TFLOP/s), cuDNN's and FA4's, ours ÷ the best peer, the `copy` yardstick's TB/s 
 percentage of it, and ours ÷ ours on the twin cell (`presets.decode_twin`), against
 `DECODE_TARGETS`. The copy is no attention: the TFLOP/s tables leave it out.
 
-A run with training problems (the `backward` preset: `Problem.passes` "bwd" or "fwd+bwd") has a
-"pass" column in the TFLOP/s tables, a summary subset per pass, the training FLOPs and check in
-the method line, and in the details the gradient (dq, dk or dv) whose error is shown. They are
-timed eagerly only, so their ratios use eager time, marked (e).
+A run with training problems (the `backward` and `backward-features` presets: `Problem.passes`
+"bwd" or "fwd+bwd") has a "pass" column in the TFLOP/s tables, a summary subset per pass, the
+training FLOPs and check in the method line, and in the details the gradient (dq, dk or dv) whose
+error is shown. They are timed eagerly only, so their ratios use eager time, marked (e).
 
-A run with score features or a v head dim of their own (the `features` preset: `Problem.window_size`,
-`softcap`, `sink`, `head_dim_v`) has a "features" column in the TFLOP/s tables (d shown as d/dv
-where they differ), the FLOP rules in the method line (`FEATURES_NOTE`), and the features table:
-per problem and backend of ours, its rate, FA4's and cuDNN's and ours divided by each, and ours
-on the problem ÷ ours on its twin without the feature (`presets.feature_twin`: window ÷ causal,
-softcap ÷ plain, sink ÷ plain), against `FEATURE_TARGETS`.
+A run with score features or a v head dim of their own (the `features` and `backward-features`
+presets: `Problem.window_size`, `softcap`, `sink`, `head_dim_v`) has a "features" column in the
+TFLOP/s tables (d shown as d/dv where they differ), the FLOP rules in the method line
+(`FEATURES_NOTE`), and the features table: per dense problem (forward or training) and backend of
+ours, its rate, FA4's and cuDNN's and ours divided by each, and ours on the problem ÷ ours on its
+twin without the feature in the same pass (`presets.feature_twin`: window ÷ causal, softcap ÷
+plain, sink ÷ plain), against `FEATURE_TARGETS`.
 """
 
 from __future__ import annotations
@@ -522,15 +523,15 @@ FEATURE_TABLE_NOTE = (
 
 def feature_rows(results: dict, mode: str = PRIMARY) -> list[list[str]]:
     """The features table's rows (module docstring): one per problem (of a run with features)
-    and backend of ours that ran on it, dense forward problems only; ratios to correct results
-    only, "–" where the run lacks one."""
+    and backend of ours that ran on it, dense problems only (forward or training); ratios to
+    correct results only, "–" where the run lacks one."""
     if not has_features(results):
         return []
     groups = dict(by_problem(results))
     ours = [name for name, _, is_ours in backends_in(results, timed_only=False) if is_ours and name != PADDED]
     rows = []
     for p, recs in groups.items():
-        if p.seqlens is not None or p.kvcache or p.training:
+        if p.seqlens is not None or p.kvcache:
             continue
         twin = feature_twin(p)
         twin_recs = groups.get(twin, {}) if twin else {}
@@ -645,7 +646,9 @@ TRAINING_NOTE = (
     f"{PASS_FLOPS['fwd+bwd']:g}× the forward's (FlashAttention's convention, causal halved). Timed "
     "eagerly only (no CUDA graph: autograd runs a backward op on its forward op's stream), so "
     "their ratios use eager time (e). Correct: each of dq, dk, dv by the rule above, against "
-    "the fp32 reference's and PyTorch's gradients by autograd."
+    "the fp32 reference's and PyTorch's gradients by autograd (score features included; varlen: "
+    "per sequence). A learnable sink requires grad: the backends compute its gradient, which is "
+    "not checked."
 )
 
 

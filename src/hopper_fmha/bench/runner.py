@@ -19,7 +19,9 @@ sequence and the rule applies to the packed rows. On a decode problem the refere
 cache_seqlens[b] keys (gathered from the pages when paged). On a training problem (a backward,
 `GradChecker`) the rule applies to each of dq, dk and dv: the fp32 reference's gradients by
 autograd against PyTorch's in the input dtype (`lowp_attention` differentiated), the same random
-dout for both and for the backend.
+dout for both and for the backend, with the problem's score features, sequence by sequence on a
+varlen problem. A learnable sink's own gradient is computed by the backends (the sink requires
+grad) but not returned by the timed call, so it is not checked.
 
 Training problems are timed eagerly only: autograd runs each backward op on the stream its
 forward op ran on, so the backward of a forward run before a CUDA-graph capture would not be on
@@ -195,9 +197,10 @@ def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
     heads, d), the caches dense (batch, capacity, kv_heads, d) or paged (pages, page_size,
     kv_heads, d) with the int32 (batch, capacity / page_size) `page_table(p, seed)` (None when
     dense), cache_seqlens int32 (batch,) (`Problem.cache_lengths`); one table and one
-    cache_seqlens for all sets; or for a training problem (q, k, v, dout), dout random like q
-    (the output's gradient), drawn after k and v. v's last dim is `Problem.dv` (a sink is no
-    input: `registry.sink_logits`)."""
+    cache_seqlens for all sets; or for a training problem the same with dout last, (q, k, v,
+    dout) or packed (q, k, v, cu_seqlens, dout), dout random like q (the output's gradient),
+    drawn after k and v. v's last dim is `Problem.dv` (a sink is no input:
+    `registry.sink_logits`)."""
     import torch
 
     dtype = getattr(torch, p.dtype)
@@ -223,9 +226,10 @@ def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
             torch.randn(*kv_rows, p.kv_heads, d, dtype=dtype, device=device, generator=g)
             for d in (p.head_dim, p.dv)
         )
+        dout = ()
         if p.training:
-            extra = (torch.randn(*q_rows, p.heads, p.head_dim, dtype=dtype, device=device, generator=g),)
-        sets.append((q, k, v, *extra))
+            dout = (torch.randn(*q_rows, p.heads, p.head_dim, dtype=dtype, device=device, generator=g),)
+        sets.append((q, k, v, *extra, *dout))
     return sets
 
 
@@ -364,14 +368,14 @@ GRAD_NAMES = ("dq", "dk", "dv")
 
 class GradChecker:
     """The fp32 reference's gradients and their tolerances for one training problem, computed
-    from the first input set (q, k, v, dout): `check((dq, dk, dv))` applies the rule (module
-    docstring) to each gradient and passes when all three pass. Its result is the worst
-    gradient's check (a shape or non-finite failure first, else the largest error ÷ tolerance),
-    that gradient named in "grad" (and in "reason" when it fails), every gradient's check in
-    "grads"."""
+    from the first input set ((q, k, v, dout), or (q, k, v, cu_seqlens, dout) for a varlen one):
+    `check((dq, dk, dv))` applies the rule (module docstring) to each gradient and passes when
+    all three pass. Its result is the worst gradient's check (a shape or non-finite failure
+    first, else the largest error ÷ tolerance), that gradient named in "grad" (and in "reason"
+    when it fails), every gradient's check in "grads"."""
 
-    def __init__(self, p: Problem, q, k, v, dout, *, reference: Callable | None = None):
-        self.refs, lowp = _grad_baselines(p, q, k, v, dout, reference=reference)
+    def __init__(self, p: Problem, q, k, v, *rest, reference: Callable | None = None):
+        self.refs, lowp = _grad_baselines(p, q, k, v, *rest, reference=reference)
         self.bounds = tuple(_tolerance(ref, low, q.dtype) for ref, low in zip(self.refs, lowp, strict=True))
 
     def check(self, grads) -> dict:
@@ -410,50 +414,63 @@ def make_checker(p: Problem, *inputs, reference: Callable | None = None) -> Chec
     return kind(p, *inputs, reference=reference)
 
 
-def _grad_baselines(p: Problem, q, k, v, dout, *, reference: Callable | None, max_scores=2**27) -> tuple:
+def _grad_baselines(p: Problem, q, k, v, *rest, reference: Callable | None, max_scores=2**27) -> tuple:
     """((dq, dk, dv) of the fp32 reference, the same of PyTorch in the input dtype), by autograd
-    for the output gradient dout, in the layout of q, k, v. Attention is independent across batch
-    elements and kv heads (with the q heads that use them), so both are computed per batch element
-    and block of kv heads, each block at most `max_scores` scores (what autograd keeps alive is a
-    few times that)."""
+    for the output gradient dout (rest: (dout,), or (cu_seqlens, dout) for packed inputs), with
+    the problem's score features, in the layout of q, k, v. Attention is independent across
+    sequences (batch elements, or a varlen problem's packed sequences) and kv heads (with the q
+    heads that use them, and their sinks), so both are computed per sequence and block of kv
+    heads, each block at most `max_scores` scores (what autograd keeps alive is a few times that)."""
     import torch
 
     if reference is None:
         from hopper_fmha.reference import reference
 
-    def exact(*qkv):
-        return first_output(reference(*qkv, causal=p.causal))
+    def exact(*qkv, **features):
+        return first_output(reference(*qkv, causal=p.causal, **features))
 
-    def lowp(*qkv):
-        return lowp_attention(*qkv, p.causal)
+    def lowp(*qkv, **features):
+        return lowp_attention(*qkv, p.causal, **features)
 
+    *lens, dout = rest
+    features = feature_kwargs(p, q.device)
+    sink = features.pop("learnable_sink", None)
+    if lens:  # a sequence's packed rows
+        bounds = lens[0].tolist()
+        sequences = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    else:  # a batch element's rows
+        sequences = list(range(p.batch))
     group = p.heads // p.kv_heads
     step = max(1, max_scores // (group * p.seqlen_q * p.seqlen_k))
     ref = tuple(torch.empty_like(x, dtype=torch.float32) for x in (q, k, v))
     low = tuple(torch.empty_like(x) for x in (q, k, v))
-    for b in range(p.batch):
+    for rows in sequences:
         for first in range(0, p.kv_heads, step):
             kv_heads = slice(first, min(first + step, p.kv_heads))
             q_heads = slice(kv_heads.start * group, kv_heads.stop * group)
-            block = (q[b : b + 1, :, q_heads], k[b : b + 1, :, kv_heads], v[b : b + 1, :, kv_heads])
-            grad_out = dout[b : b + 1, :, q_heads]
+            # x[rows] is one sequence (length, heads, d); as a batch of one, these heads.
+            block = (q[rows][None, :, q_heads], k[rows][None, :, kv_heads], v[rows][None, :, kv_heads])
+            grad_out = dout[rows][None, :, q_heads]
+            if sink is not None:  # these heads' sinks, no gradient wanted
+                features["learnable_sink"] = sink[q_heads].detach()
             with _exact_fp32_matmul():
-                want = _grads(exact, block, grad_out, torch.float32)
-            got = _grads(lowp, block, grad_out, q.dtype)
+                want = _grads(exact, block, grad_out, torch.float32, features)
+            got = _grads(lowp, block, grad_out, q.dtype, features)
             for heads, dst_ref, dst_low, g_ref, g_low in zip(
                 (q_heads, kv_heads, kv_heads), ref, low, want, got, strict=True
             ):
-                dst_ref[b : b + 1, :, heads] = g_ref
-                dst_low[b : b + 1, :, heads] = g_low
+                dst_ref[rows][:, heads] = g_ref[0]  # dst[rows] is a view: this writes into dst
+                dst_low[rows][:, heads] = g_low[0]
     return ref, low
 
 
-def _grads(fn: Callable, inputs: tuple, dout, dtype) -> tuple:
-    """The gradients of fn(*inputs) for the output gradient dout, everything cast to `dtype`."""
+def _grads(fn: Callable, inputs: tuple, dout, dtype, features: dict) -> tuple:
+    """The gradients of fn(*inputs, **features) for the output gradient dout, the inputs and dout
+    cast to `dtype` (the features as they are)."""
     import torch
 
     leaves = tuple(x.detach().to(dtype).requires_grad_() for x in inputs)
-    return torch.autograd.grad(fn(*leaves), leaves, dout.to(dtype))
+    return torch.autograd.grad(fn(*leaves, **features), leaves, dout.to(dtype))
 
 
 def _attention_baselines(p: Problem, q, k, v, cu_seqlens=None, *, reference: Callable | None) -> tuple:
