@@ -4,6 +4,7 @@ part of v2 to price it (`nodq`: dQ's reduce-add into dQacc, its staging in smem 
 runs one call only, for `ncu --kernel-name regex:BwdWsSm90`.
 
     python scripts/bwd_profile.py --d 128 --heads 16 [--causal] [--deterministic] [--probes nodq]
+    python scripts/bwd_profile.py --d 64 --heads 32 --versions 2 --tile-m 64 128  # d64's query tile
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ def main():
     parser.add_argument("--versions", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--probes", nargs="*", default=[])
     parser.add_argument("--ncu", action="store_true", help="one call of the default version, no timing")
+    parser.add_argument(
+        "--tile-m",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="v2's d64 query tiles to time (64, 128: D64_TILE_M)",
+    )
     args = parser.parse_args()
     q, k, v, out, dout, lse = inputs(args)
     scale = args.d**-0.5
@@ -71,15 +79,20 @@ def main():
     name = f"B{args.batch} N{args.seqlen} H{args.heads} d{args.d} {args.dtype}"
     name += " causal" if args.causal else ""
     name += " deterministic" if args.deterministic else ""
-    for version in args.versions:
+    runs = [(version, 64) for version in args.versions if version == 1]
+    runs += [(2, tile_m) for tile_m in args.tile_m if 2 in args.versions]
+    for version, tile_m in runs:
+        sm90_bwd.D64_TILE_M = tile_m  # (the query tile of d64 only)
         ms = time_ms(lambda version=version: call(version))
-        print(f"{name} v{version}: backward() {ms:.3f} ms, {fmul / ms / 1e9:.1f} TFLOP/s")
+        tile = f" tile_m {tile_m}" if args.d == 64 and version == 2 else ""
+        print(f"{name} v{version}{tile}: backward() {ms:.3f} ms, {fmul / ms / 1e9:.1f} TFLOP/s")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             call(version)
             torch.cuda.synchronize()
         for e in prof.key_averages():
             if e.device_time_total > 0:
                 print(f"    {e.device_time_total / 1e3:8.3f} ms  {e.key[:100]}")
+    sm90_bwd.D64_TILE_M = 64
     for probe in args.probes:
         method, fn = PROBES[probe]
         saved = getattr(sm90_bwd_ws.BwdWsSm90, method)

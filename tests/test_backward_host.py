@@ -70,7 +70,8 @@ def kernels(monkeypatch):
 
     def compile_bwd(*key):
         keys.append(key)
-        # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen)
+        # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
+        # tile_m)
         assert key[10] is False
         return dense_kernel(launches, key[6], key[2], key[7:9], key[9])
 
@@ -120,7 +121,7 @@ def test_launch_matches_the_kernel_signature(kernels):
     assert launch["group"] == 2 and launch["sem"] is None
     # GQA, not deterministic, v2: dK, dV summed per kv head in the kernel (atomic); no features.
     assert keys == [
-        ("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False, True, False, False, False, False)
+        ("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False, True, False, False, False, False, 64)
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
     assert launch["dk"].shape[2] == 2 and launch["dk"].dtype == torch.float32
@@ -201,7 +202,7 @@ def test_score_features_reach_the_kernel(kernels, causal, window, softcap):
     out, lse = reference(q, k, v, 64**-0.5, causal, **features)
     grads = sm90_bwd.backward(q, k, v, out.to(q.dtype), dout, lse, 64**-0.5, causal, **features)
     right = -1 if causal else window[1]
-    assert keys[-1][7:] == (window[0] >= 0, right >= 0, softcap > 0, False)
+    assert keys[-1][7:] == (window[0] >= 0, right >= 0, softcap > 0, False, 64)
     assert launches[-1]["window"] == (window[0], right) and launches[-1]["softcap"] == softcap
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     o, _ = reference(*leaves, 64**-0.5, causal, dtype=torch.float64, **features)
@@ -267,7 +268,7 @@ def test_row_stats_are_padded_to_whole_blocks(kernels, monkeypatch, kernel):
 
 def varlen_kernel(launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False):
     """A stand-in for the varlen backward kernel: per sequence b, its query rows read from and added
-    into the padded buffers at rows cu_seqlens_q[b] + 64 b (the kernel's `padded_rows`), the rows
+    into the padded buffers at rows cu_seqlens_q[b] + tile_m b (the kernel's `padded_rows`), the rows
     past the sequence's end in the last query block included (their LSE log2 e must be +inf there:
     a finite value would add their P into dK, dV); keys from the packed k, v."""
 
@@ -283,13 +284,14 @@ def varlen_kernel(launches, atomic: bool, causal: bool, window_sides=(False, Fal
             t[0] for t in (q, k, v, dout, lse2, delta, dq_acc, dk, dv)
         )
         kv_of = torch.arange(q.shape[1]) // group
+        tile = (lse2.shape[1] - q.shape[0]) // (cu_q.shape[0] - 1)  # padding rows per sequence
         for b in range(cu_q.shape[0] - 1):
             q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
             sq, sk = q1 - q0, k1 - k0
             if sk == 0 or sq == 0:
                 continue
-            rows = -(-sq // 64) * 64  # whole query blocks, as the kernel walks them
-            p0 = q0 + 64 * b
+            rows = -(-sq // tile) * tile  # whole query blocks, as the kernel walks them
+            p0 = q0 + tile * b
             qq = torch.zeros(rows, *q.shape[1:], dtype=torch.float64)
             do = torch.zeros(rows, *dout.shape[1:], dtype=torch.float64)
             qq[:sq], do[:sq] = q[q0:q1].double(), dout[q0:q1].double()
@@ -325,7 +327,7 @@ def varlen_kernels(monkeypatch):
 
     def compile_bwd(*key):
         keys.append(key)
-        assert key[4] == 2 and key[-1] is True  # version 2, varlen
+        assert key[4] == 2 and key[10] is True  # version 2, varlen
         return varlen_kernel(launches, key[6], key[2], key[7:9], key[9])
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
@@ -462,3 +464,41 @@ def test_bwd_profile_probes_match_the_methods_they_replace():
         ours = inspect.signature(inspect.unwrap(probe)).parameters
         theirs = inspect.signature(inspect.unwrap(getattr(BwdWsSm90, method))).parameters
         assert list(ours) == list(theirs), method
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_d64_query_tile_128_pads_whole_blocks(kernels, monkeypatch, deterministic):
+    # D64_TILE_M = 128 (FA4's d64 tile): the LSE/D rows padded to 128-row blocks (+inf, 0 past
+    # s_q), the semaphores count 128-row blocks, the compile key carries the tile; d128 and
+    # softcap keep 64. The gradients as before.
+    monkeypatch.setattr(sm90_bwd, "D64_TILE_M", 128)
+    launches, keys = kernels
+    q, k, v, out, dout, lse = inputs(sq=130, sk=75)  # (non-causal out and lse)
+    grads = sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False, deterministic=deterministic)
+    assert keys[-1][-1] == 128 and launches[-1]["lse2"].shape[-1] == 256
+    assert torch.isinf(launches[-1]["lse2"][..., 130:]).all()
+    if deterministic:
+        assert launches[-1]["sem"].shape[-1] == 2  # ceil(130 / 128)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*leaves, 64**-0.5, False, dtype=torch.float64)
+    for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+    sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False, softcap=5.0)
+    assert keys[-1][-1] == 64  # softcap keeps 64 (its kernel spills at 128)
+    q128, k128, v128, out128, dout128, lse128 = inputs(d=128)
+    sm90_bwd.backward(q128, k128, v128, out128, dout128, lse128, 128**-0.5, False)
+    assert keys[-1][-1] == 64
+
+
+def test_varlen_query_tile_128_pads_each_sequence_by_128(varlen_kernels, monkeypatch):
+    monkeypatch.setattr(sm90_bwd, "D64_TILE_M", 128)
+    launches, keys = varlen_kernels
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 130], [90, 5, 128], causal=True)
+    grads = sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 130, 128, 64**-0.5, True)
+    assert keys[-1][-1] == 128 and launches[-1]["lse2"].shape[-1] == 200 + 3 * 128
+    from hopper_fmha.reference import reference_varlen
+
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=64**-0.5, causal=True, dtype=torch.float64)
+    for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)

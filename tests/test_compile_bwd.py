@@ -201,3 +201,41 @@ def test_gqa_sums_dk_dv_by_vector_atomics(head_dim):
         assert "UTMAREDG.4D.ADD" in text  # dQ's reduce-add, a warpgroup's 64 x d/2 block
     # Per thread: dK and dV's 64 x d rows over 128 threads of a warpgroup, pairs (2 * d / 4).
     assert reds[False] == 0 and reds[True] == head_dim // 2
+
+
+# d64 with 128-query steps (`sm90_bwd.D64_TILE_M`, FA4's d64 tile; off by default, not yet run on
+# a GPU): (dtype, causal, deterministic, mha, dkv_atomic, left, right, varlen).
+TILE_128_CONFIGS = [
+    ("bfloat16", False, False, False, True, False, False, False),
+    ("bfloat16", True, True, False, False, False, False, False),
+    ("bfloat16", False, False, True, False, True, True, False),
+    ("bfloat16", True, True, False, False, True, False, True),
+    ("float16", True, False, True, False, False, False, False),
+]
+# Measured: 32-56 bytes of stack (loop-invariant addresses around dS's stmatrix, reloaded once per
+# 128-query block), with the LSE and D of a thread's 32 columns read from smem where used.
+TILE_128_STACK_LIMIT = 64
+
+
+@pytest.mark.parametrize("cfg", TILE_128_CONFIGS, ids=[str(i) for i in range(len(TILE_128_CONFIGS))])
+def test_d64_query_tile_128_compiles(cfg):
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    dtype, causal, det, mha, atomic, left, right, varlen = cfg
+    with tempfile.TemporaryDirectory() as dump:
+        cubin = compile_bwd(
+            dtype, 64, causal, det, 2, mha, atomic, left, right, False, varlen, 128,
+            options=f"--keep-cubin --dump-dir={dump}",
+        ).artifacts.CUBIN  # fmt: skip
+    stack = kernel_resources(cubin)["stack_bytes"]
+    assert stack <= TILE_128_STACK_LIMIT, f"{stack} bytes of stack"
+    try:
+        text = sass(cubin)
+    except RuntimeError as e:  # no nvdisasm
+        pytest.skip(str(e))
+    summary = sass_summary(text)
+    # S^T, dP^T: 64 keys x 128 queries per warpgroup, K = 64 (4 each); dQ: 64 rows x 64, K = 128
+    # keys (8); dV, dK: K = 128 queries (8 each, A from registers).
+    assert summary["hgmma_ss"] == 4 + 4 + 8 and summary["hgmma_rs"] == 16
+    assert "64x128x16" in summary["hgmma_shapes"] and "64x64x16" in summary["hgmma_shapes"]
+    assert "UTMAREDG.4D.ADD" in text and ("MEMBAR.ALL.GPU" in text) == det

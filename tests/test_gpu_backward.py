@@ -2,8 +2,8 @@
 H200 on 2026-11-25, before the score features): dq, dk, dv against float64 autograd of the same
 attention, each within 2x the error of PyTorch's backward in the input dtype + a floor;
 FlashAttention's seqlen pairs (odd sizes, one key, rows without keys), MHA/GQA/MQA, causal or not,
-d = 64 and 128; windows, softcap, the learnable sink, varlen and other head dims up to 128 (v2;
-not yet run on a GPU)."""
+d = 64 and 128; windows, softcap, the learnable sink, varlen, other head dims up to 128 and d64's
+128-query tile (v2; not yet run on a GPU)."""
 
 from __future__ import annotations
 
@@ -213,6 +213,37 @@ def test_row_stats_torch_fallback(hopper_gpu, monkeypatch, causal):
     ours = torch.autograd.grad(out, (q, k, v), dout)
     ref = grads(q, k, v, dout, d_scale(q), causal, torch.float64)
     check_grads(ours, ref, grads(q, k, v, dout, d_scale(q), causal, torch.bfloat16), torch.bfloat16)
+
+
+# ---- d64 with 128-query steps (`sm90_bwd.D64_TILE_M = 128`, FA4's d64 tile; off by default) ----
+
+TILE_128_SEQLENS = [(1, 1), (3, 3), (113, 203), (128, 217), (239, 1), (799, 3), (1023, 1024)]
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", TILE_128_SEQLENS, ids=[f"{a}x{b}" for a, b in TILE_128_SEQLENS])
+@pytest.mark.parametrize("window", [(-1, -1), (100, 30)], ids=["nowindow", "window"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
+def test_d64_query_tile_128(hopper_gpu, monkeypatch, dtype, deterministic, causal, window, seqlens, heads):
+    import hopper_fmha
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "D64_TILE_M", 128)
+    if causal and window[1] >= 0:
+        window = (window[0], -1)
+    sq, sk = seqlens
+    h, hkv = HEADS[heads]
+    seed = zlib.crc32(repr(("tile128", causal, window, seqlens, heads, str(dtype))).encode())
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, sq, sk, h, hkv, 64, dtype, seed))
+    out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, window_size=window, deterministic=deterministic)
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout, retain_graph=deterministic)
+    ref = grads(q, k, v, dout, 0.125, causal, torch.float64, window=window)
+    check_grads(ours, ref, grads(q, k, v, dout, 0.125, causal, dtype, window=window), dtype)
+    if deterministic:
+        for a, b in zip(ours, torch.autograd.grad(out, (q, k, v), dout), strict=True):
+            assert torch.equal(a, b)
 
 
 # ---- head dims other than 64 and 128: the next kernel up on zero-padded copies (not yet run) ----

@@ -455,11 +455,12 @@ def compile_bwd(
     window_right: bool = False,
     softcap: bool = False,
     varlen: bool = False,
+    tile_m: int = TILE,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
-    window_left/right, softcap: the score features the kernel handles; varlen: packed sequences
-    (version 2 only).
+    window_left/right, softcap: the score features the kernel handles; varlen: packed sequences;
+    tile_m: queries per step (`query_tile`) (version 2 only).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
@@ -467,11 +468,13 @@ def compile_bwd(
         from .sm90_bwd_ws import BwdWsSm90
 
         kernel = BwdWsSm90(
-            dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen
-        )
+            dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen,
+            tile_m,
+        )  # fmt: skip
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
         assert not (window_left or window_right or softcap or varlen), "version 1: no window, softcap, varlen"
+        assert tile_m == TILE, "version 1 steps 64 queries"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic)
     return cute.compile(
         kernel, *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic, varlen), options=opts
@@ -479,6 +482,16 @@ def compile_bwd(
 
 
 _compiled: dict = {}
+# v2's query tile at d64: 64, or 128 (FA4's d64 tile: twice the GEMM work per step for the same
+# fixed cost; compile tier only, not yet run on a GPU: 128 is for measuring it, `bwd_profile
+# --tile-m 128`). Not with softcap, whose kernel spills 232 bytes at 128.
+D64_TILE_M = 64
+
+
+def query_tile(version: int, head_dim: int, softcap: bool = False) -> int:
+    """Queries per step of the kernel that runs (version, head_dim, softcap): the LSE/D padding
+    and the deterministic semaphores count blocks of it."""
+    return D64_TILE_M if version == 2 and head_dim == 64 and not softcap else TILE
 
 
 def kernel_head_dim(head_dim: int, head_dim_v: int) -> int:
@@ -510,15 +523,15 @@ def _unpadded(grads, head_dim: int, head_dim_v: int):
     return (dq, dk, dv) + tuple(grads[3:])
 
 
-def row_stats(out, dout, lse, dlse):
+def row_stats(out, dout, lse, dlse, block: int = TILE):
     """(D, LSE log2 e) as the kernels read them: (b, h, s_pad) float32, s_pad = s_q rounded up to
-    64, D = rowsum(dout * out) - dlse, +inf and 0 past s_q and +inf where lse = -inf
-    (`bwd_preprocess`'s contract): from the preprocess kernel (PREPROCESS_KERNEL), else from torch.
-    s_q >= 1."""
+    a multiple of `block` (the kernel's query tile), D = rowsum(dout * out) - dlse, +inf and 0
+    past s_q and +inf where lse = -inf (`bwd_preprocess`'s contract): from the preprocess kernel
+    (PREPROCESS_KERNEL), else from torch. s_q >= 1."""
     import torch
 
     batch, seqlen_q, heads = out.shape[:3]
-    seqlen_pad = -(-seqlen_q // TILE) * TILE
+    seqlen_pad = -(-seqlen_q // block) * block
     delta = torch.empty(batch, heads, seqlen_pad, device=out.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
     lse = lse.float().contiguous()
@@ -595,7 +608,8 @@ def backward(
     if any(features) and version != 2:
         raise NotImplementedError(f"backward kernel version {version} has no window or softcap (v2 has)")
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))  # no copy where already contiguous
-    delta, lse2 = row_stats(out, dout, lse, dlse)
+    tile_m = query_tile(version, d, bool(softcap))
+    delta, lse2 = row_stats(out, dout, lse, dlse, tile_m)
     dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
@@ -609,8 +623,8 @@ def backward(
     dv = torch.empty_like(dk) if not atomic else torch.zeros_like(dk)
     sem = None
     if deterministic:
-        sem = torch.zeros(batch, heads, -(-seqlen_q // TILE), device=q.device, dtype=torch.int32)
-    key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False)
+        sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
+    key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -665,8 +679,9 @@ def backward_varlen(
     sequences. Returns (dq, dk, dv), and dsink fourth with learnable_sink.
 
     The query side's fp32 buffers (LSE log2 e, D, dQacc) hold each sequence's rows followed by
-    TILE_M rows of padding (+inf, 0, 0): sequence b's rows start at cu_seqlens_q[b] + TILE_M * b,
-    so a 64-row query block never reads or adds into the next sequence's rows (the kernel's
+    tile_m rows of padding (+inf, 0, 0): sequence b's rows start at cu_seqlens_q[b] + tile_m * b
+    (tile_m the kernel's query tile, `query_tile`), so a query block never reads or adds into the
+    next sequence's rows (the kernel's
     `padded_rows`). D and LSE log2 e come from torch here (the preprocess kernel is dense-only),
     scattered into that layout; dq is gathered back from it."""
     import torch
@@ -699,10 +714,11 @@ def backward_varlen(
         right = -1
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
     device = q.device
-    # Each packed row's place in the padded buffers: its row + TILE_M * its sequence.
+    # Each packed row's place in the padded buffers: its row + tile_m * its sequence.
+    tile_m = query_tile(2, d, bool(softcap))
     rows = torch.arange(total_q, device=device)
-    padded = rows + TILE * torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
-    total_pad = total_q + TILE * batch
+    padded = rows + tile_m * torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
+    total_pad = total_q + tile_m * batch
     from hopper_fmha.backward import row_delta
 
     delta_rows = row_delta(out[None], dout[None], None if dlse is None else dlse[None])[0]  # (h, total_q)
@@ -725,9 +741,9 @@ def backward_varlen(
     if deterministic:
         # A counter per query block of any sequence: sized by total_q, not max_seqlen_q, so that a
         # max_seqlen_q below the truth (unchecked under graph capture) cannot index past them.
-        sem = torch.zeros(batch, heads, max(1, -(-total_q // TILE)), device=device, dtype=torch.int32)
+        sem = torch.zeros(batch, heads, max(1, -(-total_q // tile_m)), device=device, dtype=torch.int32)
     key = (dtype_name, d, bool(causal), bool(deterministic), 2, mha, atomic, left >= 0, right >= 0)
-    key = key + (bool(softcap), True)
+    key = key + (bool(softcap), True, tile_m)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)

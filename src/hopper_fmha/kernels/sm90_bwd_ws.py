@@ -33,8 +33,19 @@ The epilogue writes dK * scale and dV per q head (MHA: in the inputs' type), or,
 deterministic (`dkv_atomic`), adds them into per-kv-head fp32 sums (red.global.add.v2.f32), so
 the host casts instead of summing a group's heads.
 
+Score features and sequences (compile-key fields; `mask.Mask` and `seqlen.SeqlenInfo` are the
+parts): a window's sides give the query blocks a key block visits (`Mask.query_block_range`, the
+forward's block range seen from the key side) and the element mask; softcap recomputes the
+forward's tanh and multiplies dS by its derivative (`capped_probabilities`); a learnable sink
+needs nothing here (the LSE holds it; the host derives its gradient). Varlen: a CTA per key
+block of the longest key sequence, (sequence, head); the query side's fp32 buffers (LSE, D,
+dQacc) are padded per sequence (`padded_rows`).
+
+tile_m (queries per step) is 64, or 128 at d64 (FA4's d64 tile; not yet run on a GPU): S^T
+of 64 keys x 128 queries per warpgroup, and dQ split by query rows, each warpgroup 64 rows x d.
+
 Arguments and host side: as `sm90_bwd.BwdSm90` (the same `backward` drives both; the
-semaphores count 64-row query blocks as there).
+semaphores count tile_m-row query blocks).
 """
 
 from __future__ import annotations
@@ -92,16 +103,21 @@ class BwdWsSm90(BwdSm90):
         window_right: bool = False,
         softcap: bool = False,
         varlen: bool = False,
+        tile_m: int = TILE_M,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
         group's additions varies: not with deterministic); else they are written per q head.
         window_left / window_right: the rows' windows have that side (`mask.Mask`: not a right
         side with causal); softcap: the scores were capped (sizes and cap: `__call__`'s).
-        varlen: packed sequences (`__call__`'s cu_seqlens; the module docstring's layouts)."""
+        varlen: packed sequences (`__call__`'s cu_seqlens; the module docstring's layouts).
+        tile_m: queries per step, 64 or (d64 only) 128, FA4's d64 tile: S^T of 64 keys x 128
+        queries per warpgroup, and dQ split by query rows (each warpgroup 64 rows x d, K = 128
+        keys) instead of by column halves."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         assert not (causal and window_right), "causal is the right limit 0"
+        assert tile_m == TILE_M or (tile_m == 2 * TILE_M and head_dim == 64), "tile_m 128: d64 only"
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -111,8 +127,12 @@ class BwdWsSm90(BwdSm90):
         self.window_right = window_right
         self.softcap = softcap
         self.varlen = varlen
-        # Query tiles of 64 rows, key tiles of the CTA's 128 keys.
-        self.mask = Mask(TILE_M, TILE_N, causal, window_left, window_right)
+        self.tile_m = tile_m
+        # dQ per warpgroup: 64 rows x d / 2 columns (tile_m 64), or 64 of the 128 rows x d.
+        self.dq_by_rows = tile_m > TILE_M
+        self.dq_tile = (TILE_M, head_dim) if self.dq_by_rows else (TILE_M, head_dim // 2)
+        # Query tiles of tile_m rows, key tiles of the CTA's 128 keys.
+        self.mask = Mask(tile_m, TILE_N, causal, window_left, window_right)
         # Deterministic turns descend from a query block's last key block when rows have a right
         # limit (the CTAs of later key blocks reach the block first), and CTAs launch in that order.
         self.descending = causal or window_right
@@ -122,20 +142,21 @@ class BwdWsSm90(BwdSm90):
         d = self.head_dim
         rmem = warpgroup.OperandSource.RMEM
         return (
-            # S^T and dP^T: M = 128 keys (a warpgroup per 64), N = 64 queries, K = d; B K-major.
-            tiled_mma_64(self.dtype, OperandMajorMode.K, TILE_M, num_wg=2),
+            # S^T and dP^T: M = 128 keys (a warpgroup per 64), N = tile_m queries, K = d; B K-major.
+            tiled_mma_64(self.dtype, OperandMajorMode.K, self.tile_m, num_wg=2),
             # dV += P^T dO, dK += dS^T Q: M = 128 keys, N = d, K = 64 queries; A from registers.
             tiled_mma_64(self.dtype, OperandMajorMode.MN, d, num_wg=2, a_source=rmem),
-            # dQ = dS K: M = 64 queries, N = d as two halves (a warpgroup each), K = 128 keys;
-            # A = dS read transposed from sdS, B = K^T: both MN-major.
+            # dQ = dS K: M = 64 queries, N = d as two halves (a warpgroup each), or (tile_m 128)
+            # M = 128 queries as two halves, N = d; K = 128 keys; A = dS read transposed from sdS,
+            # B = K^T: both MN-major.
             sm90_utils.make_trivial_tiled_mma(
                 self.dtype,
                 self.dtype,
                 OperandMajorMode.MN,
                 OperandMajorMode.MN,
                 Float32,
-                atom_layout_mnk=(1, 2, 1),
-                tiler_mn=(64, d // 2),
+                atom_layout_mnk=(2, 1, 1) if self.dq_by_rows else (1, 2, 1),
+                tiler_mn=self.dq_tile,  # a warpgroup's part
             ),
         )
 
@@ -172,22 +193,23 @@ class BwdWsSm90(BwdSm90):
 
         tiled_mma_s, tiled_mma_kv, tiled_mma_dq = self._tiled_mmas()
         kv_layout = smem_layout(self.dtype, TILE_N, d)
-        q_layout = smem_layout(self.dtype, TILE_M, d, STAGES)
-        ds_layout = smem_layout(self.dtype, TILE_N, TILE_M, 2)  # dS^T: keys x queries, two buffers
+        tile_m = self.tile_m
+        q_layout = smem_layout(self.dtype, tile_m, d, STAGES)
+        ds_layout = smem_layout(self.dtype, TILE_N, tile_m, 2)  # dS^T: keys x queries, two buffers
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         q_stage = cute.select(q_layout, mode=[0, 1])
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_op, mQ, q_stage, (TILE_M, d))
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(tma_op, mdO, q_stage, (TILE_M, d))
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_op, mQ, q_stage, (tile_m, d))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(tma_op, mdO, q_stage, (tile_m, d))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, kv_layout, (TILE_N, d))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, kv_layout, (TILE_N, d))
-        # LSE log2 e and D of a query block: 64 floats (256 bytes), with Q and with dO.
-        row_layout = cute.make_layout(TILE_M)
-        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_op, mLSE, row_layout, (TILE_M,))
-        tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(tma_op, mD, row_layout, (TILE_M,))
-        # dQ: each warpgroup's 64 x d/2 fp32 half through shared memory, added into dQacc by a
+        # LSE log2 e and D of a query block: tile_m floats, with Q and with dO.
+        row_layout = cute.make_layout(tile_m)
+        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_op, mLSE, row_layout, (tile_m,))
+        tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(tma_op, mD, row_layout, (tile_m,))
+        # dQ: each warpgroup's fp32 part (`dq_tile`) through shared memory, added into dQacc by a
         # TMA reduce-add (rows past the end clipped by the TMA unit).
-        dq_layout = smem_layout(Float32, TILE_M, d // 2, 2)
-        dq_box = (TILE_M, d // 2)
+        dq_layout = smem_layout(Float32, *self.dq_tile, 2)
+        dq_box = self.dq_tile
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]), dq_box
         )
@@ -202,8 +224,8 @@ class BwdWsSm90(BwdSm90):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, TILE_M * STAGES], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * STAGES], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * STAGES], 128]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 1024]
 
         # Key blocks x q heads x batch (varlen: of the longest key sequence x heads x sequences).
@@ -283,7 +305,7 @@ class BwdWsSm90(BwdSm90):
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_THREADS // 32)
         # A stage: the 16-bit tile and its rows' fp32 LSE log2 e (Q) or D (dO).
-        tile_bytes = cute.size_in_bytes(self.dtype, cute.select(q_layout, mode=[0, 1])) + TILE_M * 4
+        tile_bytes = cute.size_in_bytes(self.dtype, cute.select(q_layout, mode=[0, 1])) + self.tile_m * 4
         pipes = [
             pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar.data_ptr(),
@@ -304,7 +326,7 @@ class BwdWsSm90(BwdSm90):
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sdO = storage.sdO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
-        rows_layout = cute.make_layout((TILE_M, STAGES))
+        rows_layout = cute.make_layout((self.tile_m, STAGES))
         sLSE, sD = storage.sLSE.get_tensor(rows_layout), storage.sD.get_tensor(rows_layout)
         sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
 
@@ -338,10 +360,11 @@ class BwdWsSm90(BwdSm90):
         pipe_q, pipe_do = pipes
         gK = cute.local_tile(seqlen.rows(mK, head_kv, batch, seqlen.offset_k), (TILE_N, d), (n_block, 0))
         gV = cute.local_tile(seqlen.rows(mV, head_kv, batch, seqlen.offset_k), (TILE_N, d), (n_block, 0))
-        gQ = cute.local_tile(seqlen.rows(mQ, head, batch, seqlen.offset_q), (TILE_M, d), (None, 0))
-        gdO = cute.local_tile(seqlen.rows(mdO, head, batch, seqlen.offset_q), (TILE_M, d), (None, 0))
-        gLSE = cute.local_tile(self.padded_rows(mLSE, head, batch, seqlen), (TILE_M,), (None,))
-        gD = cute.local_tile(self.padded_rows(mD, head, batch, seqlen), (TILE_M,), (None,))
+        tile_m = self.tile_m
+        gQ = cute.local_tile(seqlen.rows(mQ, head, batch, seqlen.offset_q), (tile_m, d), (None, 0))
+        gdO = cute.local_tile(seqlen.rows(mdO, head, batch, seqlen.offset_q), (tile_m, d), (None, 0))
+        gLSE = cute.local_tile(self.padded_rows(mLSE, head, batch, seqlen), (tile_m,), (None,))
+        gD = cute.local_tile(self.padded_rows(mD, head, batch, seqlen), (tile_m,), (None,))
 
         def partition(atom, smem_tile, gmem_tiles):
             s_grouped, g_grouped = cute.group_modes(smem_tile, 0, 2), cute.group_modes(gmem_tiles, 0, 2)
@@ -413,10 +436,11 @@ class BwdWsSm90(BwdSm90):
 
         # Transposed views (the forward's V^T), with their stage modes: Q^T, dO^T (d, 64, stages)
         # for dK and dV; K^T (d, 128) and dS (64 queries, 128 keys, buffers) for dQ.
-        staged_t = cute.make_ordered_layout((d, TILE_M, STAGES), order=(1, 0, 2))
+        tile_m = self.tile_m
+        staged_t = cute.make_ordered_layout((d, tile_m, STAGES), order=(1, 0, 2))
         sQt, sdOt = cute.composition(sQ, staged_t), cute.composition(sdO, staged_t)
         sKt = cute.composition(sK, cute.make_ordered_layout((d, TILE_N), order=(1, 0)))
-        sdSt = cute.composition(sdS, cute.make_ordered_layout((TILE_M, TILE_N, 2), order=(1, 0, 2)))
+        sdSt = cute.composition(sdS, cute.make_ordered_layout((tile_m, TILE_N, 2), order=(1, 0, 2)))
 
         # smem operand descriptors per warpgroup; accumulators per thread.
         wg_s, wg_kv, wg_dq = (m.get_slice(wg * WARPGROUP) for m in (tiled_mma_s, tiled_mma_kv, tiled_mma_dq))
@@ -430,13 +454,13 @@ class BwdWsSm90(BwdSm90):
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdSt))
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
 
-        acc_shape_S = thr_s.partition_shape_C((TILE_N, TILE_M))
+        acc_shape_S = thr_s.partition_shape_C((TILE_N, tile_m))
         acc_dV = thr_kv.make_fragment_C(thr_kv.partition_shape_C((TILE_N, d)))
         acc_dK = thr_kv.make_fragment_C(thr_kv.partition_shape_C((TILE_N, d)))
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         # This thread's (key, query) coordinates in an S^T tile, as rows and columns.
-        cS = thr_s.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
+        cS = thr_s.partition_C(cute.make_identity_tensor((TILE_N, tile_m)))
         tScS = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
         smem_copy_dS = stmatrix_copy(self.dtype, tiled_mma_s, tidx)
         tdSsdS = smem_copy_dS.partition_D(sdS)
@@ -453,7 +477,7 @@ class BwdWsSm90(BwdSm90):
             # The block's LSE log2 e (from shared memory, with Q), read while S^T runs (softcap:
             # where it is used, `capped_probabilities`).
             lse_log2 = None
-            if const_expr(not self.softcap):
+            if const_expr(not self.softcap and not self.dq_by_rows):
                 lse_log2 = self.load_rows(tScS, sLSE, q_state.index)
             pipe_do.consumer_wait(do_state)
             gemm(
@@ -469,8 +493,10 @@ class BwdWsSm90(BwdSm90):
                     scale_log2, softcap_scale, masked,
                 )  # fmt: skip
             else:
-                self.probabilities(acc_S, acc_dP, tScS, lse_log2, sD, do_state.index, mask, seqlen, m_block,
-                                   n0, scale_log2, masked)  # fmt: skip
+                self.probabilities(
+                    acc_S, acc_dP, tScS, lse_log2, sLSE, q_state.index, sD, do_state.index, mask, seqlen,
+                    m_block, n0, scale_log2, masked,
+                )  # fmt: skip
             rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
             convert(acc_S, rP)
             rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
@@ -493,7 +519,7 @@ class BwdWsSm90(BwdSm90):
                 wg_wait=-1,
             )
             cute.arch.barrier(barrier_id=BARRIER_DS, number_of_threads=NUM_MMA_THREADS)
-            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
+            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tile_m, d)))
             gemm(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buf], tQrKt, zero_init=True, wg_wait=-1)
             gemm(
                 tiled_mma_kv,
@@ -534,15 +560,16 @@ class BwdWsSm90(BwdSm90):
     def padded_rows(self, mX, head, batch, seqlen):
         """Head `head`'s rows of a query-side buffer padded to whole query blocks (LSE log2 e and
         D (s_pad, h, b), dQacc (s_pad, d, h, b)): dense, batch `batch`'s; varlen, sequence
-        `batch`'s, whose rows start at offset_q + TILE_M * batch (the host leaves TILE_M rows
+        `batch`'s, whose rows start at offset_q + tile_m * batch (the host leaves tile_m rows
         after each sequence, so a query block never reaches the next sequence's rows)."""
+        start = seqlen.offset_q + self.tile_m * batch
         if const_expr(cute.rank(mX) == 3):
             if const_expr(not self.varlen):
                 return mX[None, head, batch]
-            return cute.domain_offset((seqlen.offset_q + TILE_M * batch,), mX[None, head, 0])
+            return cute.domain_offset((start,), mX[None, head, 0])
         if const_expr(not self.varlen):
             return mX[None, None, head, batch]
-        return cute.domain_offset((seqlen.offset_q + TILE_M * batch, 0), mX[None, None, head, 0])
+        return cute.domain_offset((start, 0), mX[None, None, head, 0])
 
     @cute.jit
     def load_rows(self, tScS, sRows, stage):
@@ -556,16 +583,20 @@ class BwdWsSm90(BwdSm90):
 
     @cute.jit
     def probabilities(
-        self, acc_S, acc_dP, tScS, lse_log2, sD, do_stage, mask, seqlen, m_block, n0, scale_log2, masked
-    ):
+        self, acc_S, acc_dP, tScS, lse_log2, sLSE, q_stage, sD, do_stage, mask, seqlen, m_block, n0,
+        scale_log2, masked,
+    ):  # fmt: skip
         """P^T and dS^T in place of S^T and dP^T (waits for dP^T after P^T): P = exp2(S scale log2 e
-        - LSE log2 e), 0 where masked; dS = P (dP - D). Columns are queries, rows keys."""
+        - LSE log2 e), 0 where masked; dS = P (dP - D). Columns are queries, rows keys. lse_log2:
+        the columns' values in registers (`load_rows`), or None: each read from sLSE where it is
+        used, and D likewise (tile_m 128: 32 columns a thread, which held in registers spilled)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
         cols = cute.size(acc_S_mn, mode=[1])
         rows = cute.size(acc_S_mn, mode=[0])
+
         if masked:
-            m0 = m_block * TILE_M
+            m0 = m_block * self.tile_m
             for c in cutlass.range_constexpr(cols):
                 # The keys [start, limit) this column's query sees (`mask.Mask`).
                 start, limit = mask.key_bounds(m0 + tScS[0, c][1], seqlen)
@@ -574,21 +605,41 @@ class BwdWsSm90(BwdSm90):
                     key = n0 + tScS[r, c][0]
                     if const_expr(self.window_left):
                         if key < limit and key >= start:
-                            p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2[c], fastmath=True)
+                            p = cute.math.exp2(
+                                acc_S_mn[r, c] * scale_log2
+                                - self.column_value(lse_log2, sLSE, tScS, q_stage, c),
+                                fastmath=True,
+                            )
                     elif key < limit:
-                        p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2[c], fastmath=True)
+                        p = cute.math.exp2(
+                            acc_S_mn[r, c] * scale_log2 - self.column_value(lse_log2, sLSE, tScS, q_stage, c),
+                            fastmath=True,
+                        )
                     acc_S_mn[r, c] = p
         else:
             for c in cutlass.range_constexpr(cols):
                 for r in cutlass.range_constexpr(rows):
-                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2[c], fastmath=True)
+                    acc_S_mn[r, c] = cute.math.exp2(
+                        acc_S_mn[r, c] * scale_log2 - self.column_value(lse_log2, sLSE, tScS, q_stage, c),
+                        fastmath=True,
+                    )
         # D of the columns, read while dP^T may still run (not beside the LSE: fewer registers
         # live across the GEMMs' issue).
-        dsum = self.load_rows(tScS, sD, do_stage)
+        dsum = None
+        if const_expr(lse_log2 is not None):
+            dsum = self.load_rows(tScS, sD, do_stage)
         warpgroup.wait_group(0)  # dP^T done
         for c in cutlass.range_constexpr(cols):
+            d_c = self.column_value(dsum, sD, tScS, do_stage, c)
             for r in cutlass.range_constexpr(rows):
-                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum[c])
+                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_c)
+
+    def column_value(self, values, sRows, tScS, stage, c: int):
+        """Column c's LSE log2 e or D: from `values` (registers, `load_rows`) or, where that is
+        None, from its stage of sRows (shared memory)."""
+        if const_expr(values is not None):
+            return values[c]
+        return sRows[tScS[0, c][1], stage]
 
     @cute.jit
     def capped_probabilities(
@@ -608,7 +659,7 @@ class BwdWsSm90(BwdSm90):
         cols = cute.size(acc_S_mn, mode=[1])
         rows = cute.size(acc_S_mn, mode=[0])
         if masked:
-            m0 = m_block * TILE_M
+            m0 = m_block * self.tile_m
             for c in cutlass.range_constexpr(cols):
                 start, limit = mask.key_bounds(m0 + tScS[0, c][1], seqlen)  # the keys it sees
                 lse_log2 = sLSE[tScS[0, c][1], q_stage]
@@ -637,15 +688,14 @@ class BwdWsSm90(BwdSm90):
 
     @cute.jit
     def stage_dq(self, acc_dQ, sdQ, scale, tidx):
-        """scale * acc_dQ (this warpgroup's 64 x d/2 half of a query block's dQ) into its buffer of
-        sdQ, once the previous block's reduce-add has read it (`issue_dq`'s issuer waits)."""
-        d = self.head_dim
+        """scale * acc_dQ (this warpgroup's part of a query block's dQ, `dq_tile`) into its buffer
+        of sdQ, once the previous block's reduce-add has read it (`issue_dq`'s issuer waits)."""
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wtid = tidx % WARPGROUP
-        # This warpgroup's accumulator is a one-warpgroup GEMM's of 64 x d/2.
+        # This warpgroup's accumulator is a one-warpgroup GEMM's of `dq_tile`.
         half_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, d // 2),
+            atom_layout_mnk=(1, 1, 1), tiler_mn=self.dq_tile,
         )  # fmt: skip
         tdQsdQ = half_mma.get_slice(wtid).partition_C(sdQ[None, None, wg])
         if wtid < 32:
@@ -661,7 +711,6 @@ class BwdWsSm90(BwdSm90):
         """dQacc[block m_block][:, half w] += warpgroup w's sdQ buffer: one TMA reduce-add issued
         by the warpgroup's first warp. Deterministic: waited for until its writes are done (the
         turn passes after them); else in flight while the loop goes on."""
-        d = self.head_dim
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         if tidx % WARPGROUP < 32:
             if const_expr(self.deterministic):
@@ -669,9 +718,9 @@ class BwdWsSm90(BwdSm90):
                 # write: the PTX memory model orders the two only through a proxy fence.
                 cute.arch.fence_proxy("async.global")
             sdQ_wg = sdQ[None, None, wg]
-            gdQ = cute.local_tile(
-                self.padded_rows(mdQacc, head, batch, seqlen), (TILE_M, d // 2), (m_block, wg)
-            )
+            # This warpgroup's part: rows of the block's second half (by rows), or columns.
+            part = (m_block * 2 + wg, 0) if const_expr(self.dq_by_rows) else (m_block, wg)
+            gdQ = cute.local_tile(self.padded_rows(mdQacc, head, batch, seqlen), self.dq_tile, part)
             s_grouped, g_grouped = cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
             tdQs, tdQg = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), s_grouped, g_grouped)
             cute.copy(tma_atom_dQ, tdQs, tdQg)
