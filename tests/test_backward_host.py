@@ -62,6 +62,39 @@ def dense_kernel(launches, atomic: bool, causal: bool, window_sides=(False, Fals
     return run
 
 
+def binding_checked(key, kernel):
+    """`kernel` behind the checks TVM-FFI makes at a compiled kernel's call (it makes them on the
+    GPU only: the device is checked first): each tensor matches `fake_arguments` of the compile
+    key, where a size symbol shared by several tensors binds equal sizes, fixed sizes are equal and
+    strides are multiples of their declared divisibility; None where None was compiled."""
+    fake = sm90_bwd.fake_arguments(sm90_bwd._DTYPES[key[0]], key[1], key[3], key[5], key[6], key[10])
+
+    def run(*args):
+        assert len(args) == len(fake) - 1  # (the stream is TVM-FFI's current one)
+        bound = {}
+        for i, (f, a) in enumerate(zip(fake, args, strict=False)):
+            if not hasattr(f, "shape"):
+                continue
+            assert (a is None) == (f is None), f"argument {i}: None where a tensor was compiled, or not"
+            if a is None:
+                continue
+            for dim, (fs, n) in enumerate(zip(f.shape, a.shape, strict=True)):
+                if isinstance(fs, int):
+                    assert fs == n, f"argument {i} mode {dim}: {n} != {fs}"
+                else:
+                    assert bound.setdefault(id(fs), n) == n, (
+                        f"argument {i} mode {dim}: {n} vs {bound[id(fs)]}"
+                    )
+            for dim, (fs, st) in enumerate(zip(f.stride, a.stride(), strict=True)):
+                if isinstance(fs, int):
+                    assert fs == st, f"argument {i} stride {dim}: {st} != {fs}"
+                else:
+                    assert st % fs.divisibility == 0, f"argument {i} stride {dim}: {st} % {fs.divisibility}"
+        return kernel(*args)
+
+    return run
+
+
 @pytest.fixture
 def kernels(monkeypatch):
     launches = []
@@ -73,7 +106,7 @@ def kernels(monkeypatch):
         # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
         # tile_m)
         assert key[10] is False
-        return dense_kernel(launches, key[6], key[2], key[7:9], key[9])
+        return binding_checked(key, dense_kernel(launches, key[6], key[2], key[7:9], key[9]))
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
     monkeypatch.setattr(bwd_preprocess, "_compiled", {})
@@ -266,7 +299,9 @@ def test_row_stats_are_padded_to_whole_blocks(kernels, monkeypatch, kernel):
 # ---- varlen (`backward_varlen`): packed sequences, the query side's buffers padded per sequence ----
 
 
-def varlen_kernel(launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False):
+def varlen_kernel(
+    launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False, tile=64
+):
     """A stand-in for the varlen backward kernel: per sequence b, its query rows read from and added
     into the padded buffers at rows cu_seqlens_q[b] + tile_m b (the kernel's `padded_rows`), the rows
     past the sequence's end in the last query block included (their LSE log2 e must be +inf there:
@@ -284,7 +319,6 @@ def varlen_kernel(launches, atomic: bool, causal: bool, window_sides=(False, Fal
             t[0] for t in (q, k, v, dout, lse2, delta, dq_acc, dk, dv)
         )
         kv_of = torch.arange(q.shape[1]) // group
-        tile = (lse2.shape[1] - q.shape[0]) // (cu_q.shape[0] - 1)  # padding rows per sequence
         for b in range(cu_q.shape[0] - 1):
             q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
             sq, sk = q1 - q0, k1 - k0
@@ -328,7 +362,7 @@ def varlen_kernels(monkeypatch):
     def compile_bwd(*key):
         keys.append(key)
         assert key[4] == 2 and key[10] is True  # version 2, varlen
-        return varlen_kernel(launches, key[6], key[2], key[7:9], key[9])
+        return binding_checked(key, varlen_kernel(launches, key[6], key[2], key[7:9], key[9], key[11]))
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
     return launches, keys
@@ -375,7 +409,7 @@ def test_varlen_gradients(varlen_kernels, causal, features, kv_heads, determinis
         deterministic=deterministic, learnable_sink=sink, **features,
     )  # fmt: skip
     (launch,) = launches
-    assert launch["max_k"] == 128 and launch["lse2"].shape == (1, 4, 201 + 4 * 64)
+    assert launch["max_k"] == 128 and launch["lse2"].shape == (1, 4, 512)  # 201 + 4 x 64, to 64s
     assert (launch["sem"] is not None) == deterministic
     if deterministic:
         assert launch["sem"].shape == (4, 4, 4) and not launch["sem"].any()  # ceil(201 / 64) blocks
@@ -495,10 +529,40 @@ def test_varlen_query_tile_128_pads_each_sequence_by_128(varlen_kernels, monkeyp
     launches, keys = varlen_kernels
     q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 130], [90, 5, 128], causal=True)
     grads = sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 130, 128, 64**-0.5, True)
-    assert keys[-1][-1] == 128 and launches[-1]["lse2"].shape[-1] == 200 + 3 * 128
+    assert keys[-1][-1] == 128 and launches[-1]["lse2"].shape[-1] == 640  # 200 + 3 x 128, to 64s
     from hopper_fmha.reference import reference_varlen
 
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=64**-0.5, causal=True, dtype=torch.float64)
     for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+
+
+def test_varlen_rows_past_the_last_sequence_add_nothing(varlen_kernels):
+    # Rows past cu_seqlens_q[-1] (allowed: the forward leaves them unwritten) may hold anything in
+    # out and lse, nan included: no gradient, the sink's included, may take them in.
+    from hopper_fmha.reference import reference_varlen
+
+    q, k, v, _, dout, _, _, cu_k = varlen_inputs([70, 9], [90, 40])
+    cu_q = torch.tensor([0, 70, 75], dtype=torch.int32)  # the last 4 rows are in no sequence
+    sink = torch.randn(4, generator=torch.Generator().manual_seed(3))
+    o, lse = reference_varlen(q[:75], k, v, cu_q, cu_k, softmax_scale=0.125, learnable_sink=sink)
+    out = torch.cat([o.to(q.dtype), torch.full((4, *o.shape[1:]), float("nan"), dtype=q.dtype)])
+    lse = torch.cat([lse, torch.full((4, 4), float("nan")).T], dim=1)
+    grads = sm90_bwd.backward_varlen(
+        q, k, v, out, dout, lse, cu_q, cu_k, 70, 90, 0.125, False, learnable_sink=sink
+    )
+    leaves = [t.double().requires_grad_() for t in (q, k, v, sink)]
+    ro, _ = reference_varlen(
+        leaves[0][:75],
+        *leaves[1:3],
+        cu_q,
+        cu_k,
+        softmax_scale=0.125,
+        learnable_sink=leaves[3],
+        dtype=torch.float64,
+    )
+    ref = torch.autograd.grad((ro * dout[:75].double()).sum(), leaves)
+    for name, ours, r in zip(("dq", "dk", "dv", "dsink"), grads, ref, strict=True):
+        assert torch.isfinite(ours).all(), name
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)

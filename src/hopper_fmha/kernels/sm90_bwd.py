@@ -399,8 +399,11 @@ def fake_arguments(
     mode contiguous, the semaphores (deterministic mode) contiguous; the stream TVM-FFI's current one.
     dK, dV: fp32 per q head, or (mha) in the inputs' type, the gradients themselves, or
     (dkv_atomic) fp32 per kv head. varlen: cu_seqlens_q/k int32 (batch + 1,) (the 16-bit and fp32
-    tensors then hold the packed rows with a batch mode of 1, and LSE, D, dQacc the padded ones)."""
+    tensors then hold the packed rows with a batch mode of 1, and LSE, D, dQacc the padded ones:
+    dQacc's rows and the semaphores' sequences get symbols of their own, since TVM-FFI checks at
+    the call that the sizes sharing a symbol are equal)."""
     b, sq, sk, h, hkv, nm, sp = (cute.sym_int() for _ in range(7))
+    dq_rows, sem_batch = (cute.sym_int(), cute.sym_int()) if varlen else (sq, b)
 
     def bshd(seqlen, heads, elem):
         stride = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
@@ -416,11 +419,11 @@ def fake_arguments(
     k, v = bshd(sk, hkv, dtype), bshd(sk, hkv, dtype)
     dkv = dtype if mha else Float32
     dkv_heads = hkv if dkv_atomic else h
-    dq, dk, dv = bshd(sq, h, Float32), bshd(sk, dkv_heads, dkv), bshd(sk, dkv_heads, dkv)
+    dq, dk, dv = bshd(dq_rows, h, Float32), bshd(sk, dkv_heads, dkv), bshd(sk, dkv_heads, dkv)
     sem = None
     if deterministic:
         sem = cute.runtime.make_fake_tensor(
-            Int32, (b, h, nm), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+            Int32, (sem_batch, h, nm), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
         )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = (Float32(1.0), Int32(1), Int32(-1), Int32(-1), Float32(0.0))  # scale, group, window, softcap
@@ -718,10 +721,14 @@ def backward_varlen(
     tile_m = query_tile(2, d, bool(softcap))
     rows = torch.arange(total_q, device=device)
     padded = rows + tile_m * torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
-    total_pad = total_q + tile_m * batch
+    total_pad = -(-(total_q + tile_m * batch) // TILE) * TILE  # (LSE, D's head stride: 64 | it)
     from hopper_fmha.backward import row_delta
 
     delta_rows = row_delta(out[None], dout[None], None if dlse is None else dlse[None])[0]  # (h, total_q)
+    # Rows past the last sequence (cu_seqlens_q[-1] <= total_q) were never written by the forward:
+    # their out and lse may hold anything, so they get D = 0 and no LSE (no sink weight below).
+    in_sequence = rows < cu_seqlens_q[-1]
+    delta_rows = torch.where(in_sequence, delta_rows, 0.0)
     delta = torch.zeros(heads, total_pad, device=device, dtype=torch.float32)
     lse2 = torch.full((heads, total_pad), float("inf"), device=device, dtype=torch.float32)
     lse = lse.float()
@@ -760,4 +767,5 @@ def backward_varlen(
         return grads
     from hopper_fmha.backward import sink_gradient
 
-    return grads + (sink_gradient(lse[None], delta_rows[None], learnable_sink),)
+    lse_rows = torch.where(in_sequence, lse, -float("inf"))
+    return grads + (sink_gradient(lse_rows[None], delta_rows[None], learnable_sink),)

@@ -540,6 +540,10 @@ class BwdWsSm90(BwdSm90):
                 # The key blocks that visit query block m_block, by the forward's rule (the same
                 # pairs as `query_block_range`): descending from the last, or ascending.
                 n_min, n_max, _, _ = mask.block_range_local(m_block, seqlen)
+                if const_expr(self.varlen):
+                    # Key blocks past the grid (a max_seqlen_k below the truth, unchecked under
+                    # graph capture) have no CTA: none of them takes a turn, none is waited for.
+                    n_max = cutlass.min(n_max, cute.arch.grid_dim()[0])
                 turn = n_block - n_min
                 if const_expr(self.descending):
                     turn = n_max - 1 - n_block
