@@ -15,6 +15,8 @@ from hopper_fmha.reference import reference, visible_keys
 pytestmark = pytest.mark.cpu
 
 sm90_bwd = pytest.importorskip("hopper_fmha.kernels.sm90_bwd")  # needs the CuTe DSL
+from tvm_ffi_binding import assert_binds  # noqa: E402
+
 from hopper_fmha.kernels import bwd_preprocess  # noqa: E402
 from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
 
@@ -63,33 +65,12 @@ def dense_kernel(launches, atomic: bool, causal: bool, window_sides=(False, Fals
 
 
 def binding_checked(key, kernel):
-    """`kernel` behind the checks TVM-FFI makes at a compiled kernel's call (it makes them on the
-    GPU only: the device is checked first): each tensor matches `fake_arguments` of the compile
-    key, where a size symbol shared by several tensors binds equal sizes, fixed sizes are equal and
-    strides are multiples of their declared divisibility; None where None was compiled."""
+    """`kernel` behind the checks TVM-FFI makes at a compiled kernel's call (`tvm_ffi_binding`),
+    against `fake_arguments` of the compile key."""
     fake = sm90_bwd.fake_arguments(sm90_bwd._DTYPES[key[0]], key[1], key[3], key[5], key[6], key[10])
 
     def run(*args):
-        assert len(args) == len(fake) - 1  # (the stream is TVM-FFI's current one)
-        bound = {}
-        for i, (f, a) in enumerate(zip(fake, args, strict=False)):
-            if not hasattr(f, "shape"):
-                continue
-            assert (a is None) == (f is None), f"argument {i}: None where a tensor was compiled, or not"
-            if a is None:
-                continue
-            for dim, (fs, n) in enumerate(zip(f.shape, a.shape, strict=True)):
-                if isinstance(fs, int):
-                    assert fs == n, f"argument {i} mode {dim}: {n} != {fs}"
-                else:
-                    assert bound.setdefault(id(fs), n) == n, (
-                        f"argument {i} mode {dim}: {n} vs {bound[id(fs)]}"
-                    )
-            for dim, (fs, st) in enumerate(zip(f.stride, a.stride(), strict=True)):
-                if isinstance(fs, int):
-                    assert fs == st, f"argument {i} stride {dim}: {st} != {fs}"
-                else:
-                    assert st % fs.divisibility == 0, f"argument {i} stride {dim}: {st} % {fs.divisibility}"
+        assert_binds(fake[:-1], args, str(key))  # (the stream is TVM-FFI's current one)
         return kernel(*args)
 
     return run

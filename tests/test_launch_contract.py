@@ -12,6 +12,7 @@ import inspect
 
 import pytest
 import torch
+from tvm_ffi_binding import assert_binds
 
 from hopper_fmha import config, kernels
 from hopper_fmha.kernels import cache
@@ -51,6 +52,7 @@ def assert_follows_compiled_signature(key, args):
     compiled = fake[:stream] + fake[stream + 1 :]
     assert len(args) == len(compiled), f"{key.slug()}: {len(args)} arguments, compiled with {len(compiled)}"
     assert [a is None for a in args] == [c is None for c in compiled], key.slug()
+    assert_binds(compiled, args, key.slug())
 
 
 def bshd(b, s, h, d):
