@@ -12,6 +12,30 @@ from hopper_fmha.kernels.inspect import kernel_resources, sass, sass_summary
 pytestmark = pytest.mark.compile
 
 
+def cubin_of(compile_fn, *key):
+    """The cubin `compile_fn(*key)` (compile_bwd or compile_preprocess) builds for sm_90a."""
+    with tempfile.TemporaryDirectory() as dump:
+        return compile_fn(*key, options=f"--keep-cubin --dump-dir={dump}").artifacts.CUBIN
+
+
+def bwd_cubin(*key):
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    return cubin_of(compile_bwd, *key)
+
+
+def stack_bytes(cubin) -> int:
+    return kernel_resources(cubin)["stack_bytes"]
+
+
+def sass_or_skip(cubin) -> str:
+    """The cubin's SASS; the test is skipped where nvdisasm is missing."""
+    try:
+        return sass(cubin)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
 # Every (head dim, mask, mode, version) in bf16; fp16 (the same code but the MMA's input type) at
 # one of each version, to keep the compile tier's time in CI.
 BWD_CONFIGS = [
@@ -32,19 +56,9 @@ BWD_CONFIGS = [
     ],
 )
 def test_backward_compiles_without_spills(dtype, head_dim, causal, deterministic, version):
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
-
-    with tempfile.TemporaryDirectory() as dump:
-        compiled = compile_bwd(
-            dtype, head_dim, causal, deterministic, version, options=f"--keep-cubin --dump-dir={dump}"
-        )
-        cubin = compiled.artifacts.CUBIN
-    resources = kernel_resources(cubin)
-    assert resources["stack_bytes"] == 0, f"{resources['stack_bytes']} bytes of stack: registers spill"
-    try:
-        text = sass(cubin)
-    except RuntimeError as e:  # no nvdisasm
-        pytest.skip(str(e))
+    cubin = bwd_cubin(dtype, head_dim, causal, deterministic, version)
+    assert stack_bytes(cubin) == 0, f"{stack_bytes(cubin)} bytes of stack: registers spill"
+    text = sass_or_skip(cubin)
     summary = sass_summary(text)
     assert summary["ldl"] == 0 and summary["stl"] == 0
     # Per query block: S^T and dP^T (K = d, 16 per WGMMA), dQ (K = 64 keys in v1, 128 in v2, a
@@ -101,25 +115,15 @@ def feature_id(cfg):
 
 @pytest.mark.parametrize("cfg", FEATURE_CONFIGS, ids=[feature_id(c) for c in FEATURE_CONFIGS])
 def test_backward_with_score_features_compiles(cfg):
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
-
     dtype, d, causal, det, mha, atomic, left, right, softcap, varlen = cfg
-    with tempfile.TemporaryDirectory() as dump:
-        compiled = compile_bwd(
-            dtype, d, causal, det, 2, mha, atomic, left, right, softcap, varlen,
-            options=f"--keep-cubin --dump-dir={dump}",
-        )  # fmt: skip
-        cubin = compiled.artifacts.CUBIN
+    cubin = bwd_cubin(dtype, d, causal, det, 2, mha, atomic, left, right, softcap, varlen)
     present = [
         name for name, on in (("softcap", softcap), ("both", left and right), ("varlen", varlen)) if on
     ]
     limit = max((FEATURE_STACK_LIMIT.get((d, name), 0) for name in present), default=0)
-    stack = kernel_resources(cubin)["stack_bytes"]
+    stack = stack_bytes(cubin)
     assert stack <= limit, f"{stack} bytes of stack (limit {limit}): registers spill"
-    try:
-        text = sass(cubin)
-    except RuntimeError as e:  # no nvdisasm
-        pytest.skip(str(e))
+    text = sass_or_skip(cubin)
     summary = sass_summary(text)
     # The same GEMMs as without features (the mask and softcap act on registers between them).
     assert summary["hgmma_ss"] == 2 * d // 16 + 128 // 16
@@ -133,20 +137,11 @@ def test_backward_with_score_features_compiles(cfg):
 @pytest.mark.parametrize("version", [1, 2], ids=["v1", "v2ws"])
 def test_mha_stores_dk_dv_in_the_inputs_type(version):
     # MHA: dK, dV leave as 16-bit values (no fp32 buffers for the host to sum and cast).
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
-
     texts = {}
     for mha in (False, True):
-        with tempfile.TemporaryDirectory() as dump:
-            compiled = compile_bwd(
-                "bfloat16", 128, True, False, version, mha, options=f"--keep-cubin --dump-dir={dump}"
-            )
-            cubin = compiled.artifacts.CUBIN
-        assert kernel_resources(cubin)["stack_bytes"] == 0
-        try:
-            texts[mha] = sass(cubin)
-        except RuntimeError as e:  # no nvdisasm
-            pytest.skip(str(e))
+        cubin = bwd_cubin("bfloat16", 128, True, False, version, mha)
+        assert stack_bytes(cubin) == 0
+        texts[mha] = sass_or_skip(cubin)
     assert "STG.E.U16" in texts[True] and "STG.E.U16" not in texts[False]
 
 
@@ -159,15 +154,9 @@ def test_preprocess_compiles(dtype, head_dim_v, with_dlse):
     # (and dLSE), two fp32 stores per row, no stack.
     from hopper_fmha.kernels.bwd_preprocess import compile_preprocess
 
-    with tempfile.TemporaryDirectory() as dump:
-        cubin = compile_preprocess(
-            dtype, head_dim_v, with_dlse, options=f"--keep-cubin --dump-dir={dump}"
-        ).artifacts.CUBIN
-    assert kernel_resources(cubin)["stack_bytes"] == 0
-    try:
-        text = sass(cubin)
-    except RuntimeError as e:  # no nvdisasm
-        pytest.skip(str(e))
+    cubin = cubin_of(compile_preprocess, dtype, head_dim_v, with_dlse)
+    assert stack_bytes(cubin) == 0
+    text = sass_or_skip(cubin)
     assert "LDG.E.128" in text and "STG.E " in text
     assert text.count("LDG.E ") == 1 + with_dlse  # the LSE's (and dLSE's) scalar load per row
     assert text.count("STG.E ") == 2
@@ -177,26 +166,11 @@ def test_preprocess_compiles(dtype, head_dim_v, with_dlse):
 def test_gqa_sums_dk_dv_by_vector_atomics(head_dim):
     # v2 with GQA (not deterministic): dK, dV added into per-kv-head fp32 sums, two columns per
     # red.global.add.v2.f32; no stores of them. dQ goes by TMA reduce-add, not by these.
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
-
     reds = {}
     for atomic in (False, True):
-        with tempfile.TemporaryDirectory() as dump:
-            cubin = compile_bwd(
-                "bfloat16",
-                head_dim,
-                False,
-                False,
-                2,
-                False,
-                atomic,
-                options=f"--keep-cubin --dump-dir={dump}",
-            ).artifacts.CUBIN
-        assert kernel_resources(cubin)["stack_bytes"] == 0
-        try:
-            text = sass(cubin)
-        except RuntimeError as e:  # no nvdisasm
-            pytest.skip(str(e))
+        cubin = bwd_cubin("bfloat16", head_dim, False, False, 2, False, atomic)
+        assert stack_bytes(cubin) == 0
+        text = sass_or_skip(cubin)
         reds[atomic] = text.count("REDG.E.ADD.F32x2")
         assert "UTMAREDG.4D.ADD" in text  # dQ's reduce-add, a warpgroup's 64 x d/2 block
     # Per thread: dK and dV's 64 x d rows over 128 threads of a warpgroup, pairs (2 * d / 4).
@@ -219,20 +193,10 @@ TILE_128_STACK_LIMIT = 64
 
 @pytest.mark.parametrize("cfg", TILE_128_CONFIGS, ids=[str(i) for i in range(len(TILE_128_CONFIGS))])
 def test_d64_query_tile_128_compiles(cfg):
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
-
     dtype, causal, det, mha, atomic, left, right, varlen = cfg
-    with tempfile.TemporaryDirectory() as dump:
-        cubin = compile_bwd(
-            dtype, 64, causal, det, 2, mha, atomic, left, right, False, varlen, 128,
-            options=f"--keep-cubin --dump-dir={dump}",
-        ).artifacts.CUBIN  # fmt: skip
-    stack = kernel_resources(cubin)["stack_bytes"]
-    assert stack <= TILE_128_STACK_LIMIT, f"{stack} bytes of stack"
-    try:
-        text = sass(cubin)
-    except RuntimeError as e:  # no nvdisasm
-        pytest.skip(str(e))
+    cubin = bwd_cubin(dtype, 64, causal, det, 2, mha, atomic, left, right, False, varlen, 128)
+    assert stack_bytes(cubin) <= TILE_128_STACK_LIMIT, f"{stack_bytes(cubin)} bytes of stack"
+    text = sass_or_skip(cubin)
     summary = sass_summary(text)
     # S^T, dP^T: 64 keys x 128 queries per warpgroup, K = 64 (4 each); dQ: 64 rows x 64, K = 128
     # keys (8); dV, dK: K = 128 queries (8 each, A from registers).

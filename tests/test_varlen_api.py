@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hopper_fmha import flash_attn_varlen_func, interface
-from hopper_fmha.reference import reference_varlen, visible_keys
+from hopper_fmha.reference import reference_varlen
 
 pytestmark = pytest.mark.cpu
 
@@ -179,11 +179,13 @@ def test_bad_offsets_are_refused_before_any_launch(cpu_kernel):
 
 @pytest.fixture
 def cpu_backward(monkeypatch):
-    """`kernels.sm90_bwd.backward_varlen` replaced by its contract in float64, per sequence: P from
-    the forward's lse, dS = P (dP - D) (1 - tanh^2 with softcap), D = rowsum(dO O) - dlse, the
-    sink's gradient -sum exp(sink - lse) D; records each call's arguments. (Autograd is off inside
-    a custom op's backward, so the formulas are written out.)"""
+    """`kernels.sm90_bwd.backward_varlen` replaced by its contract: per sequence, the dense one of
+    `test_autograd.dense_backward` (float64 from the forward's lse), and the sink's gradient by
+    `backward.sink_gradient`; records each call's arguments."""
     sm90_bwd = pytest.importorskip("hopper_fmha.kernels.sm90_bwd")  # the op imports it
+    from test_autograd import dense_backward
+
+    from hopper_fmha import backward
 
     calls = []
 
@@ -191,34 +193,30 @@ def cpu_backward(monkeypatch):
                         deterministic, window_size, softcap, learnable_sink):  # fmt: skip
         calls.append(dict(causal=causal, window=window_size, softcap=softcap, det=deterministic, dlse=dlse,
                           sink=learnable_sink, max=(max_q, max_k)))  # fmt: skip
-        group = q.shape[1] // k.shape[1]
-        q, k, v, out, dout = (t.double() for t in (q, k, v, out, dout))
-        delta = (out * dout).sum(-1).T - (dlse.double() if dlse is not None else 0)  # (h, total_q)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for b in range(cu_q.numel() - 1):
             rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-            kk, vv = (t[rk].repeat_interleave(group, dim=1) for t in (k, v))
-            s = torch.einsum("qhd,khd->hqk", q[rq], kk) * scale
-            dtanh = 1.0
-            if softcap:
-                t = torch.tanh(s / softcap)
-                s, dtanh = softcap * t, 1 - t * t
-            sq, sk = s.shape[1], s.shape[2]
-            seen = visible_keys(torch.arange(sq), sq, sk, window_size[0], 0 if causal else window_size[1])
-            p = torch.where(seen, torch.exp(s - lse[:, rq].double()[..., None]), 0.0)
-            ds = p * (torch.einsum("qhd,khd->hqk", dout[rq], vv) - delta[:, rq, None]) * dtanh
-            dq[rq] = torch.einsum("hqk,khd->qhd", ds, kk) * scale
-            dk_h = torch.einsum("hqk,qhd->khd", ds, q[rq]) * scale
-            dv_h = torch.einsum("hqk,qhd->khd", p, dout[rq])
-            dk[rk] = dk_h.view(sk, k.shape[1], group, k.shape[2]).sum(2)
-            dv[rk] = dv_h.view(sk, k.shape[1], group, v.shape[2]).sum(2)
-        grads = tuple(
-            g.to(out_dtype) for g, out_dtype in zip((dq, dk, dv), (torch.float16,) * 3, strict=True)
-        )
+            seq_dlse = None if dlse is None else dlse[None, :, rq]
+            dq[rq], dk[rk], dv[rk] = (
+                g[0]
+                for g in dense_backward(
+                    q[None, rq],
+                    k[None, rk],
+                    v[None, rk],
+                    out[None, rq],
+                    dout[None, rq],
+                    lse[None, :, rq],
+                    seq_dlse,
+                    scale,
+                    causal,
+                    window_size,
+                    softcap,
+                )  # fmt: skip
+            )
         if learnable_sink is None:
-            return grads
-        p_sink = torch.exp(learnable_sink.double()[:, None] - lse.double())
-        return grads + (-(p_sink * delta).sum(1).float(),)
+            return dq, dk, dv
+        delta = backward.row_delta(out[None], dout[None], None if dlse is None else dlse[None])
+        return dq, dk, dv, backward.sink_gradient(lse[None], delta, learnable_sink)
 
     monkeypatch.setattr(sm90_bwd, "backward_varlen", backward_varlen)
     return calls

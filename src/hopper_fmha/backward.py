@@ -125,9 +125,8 @@ def _bwd(
     """(dq, dk, dv, dsink): dsink (h,) float32 when learnable_sink is given (its gradient is
     wanted), else an empty tensor."""
     _check_dout(dout, out)
-    no_sink = torch.empty(0, device=q.device, dtype=torch.float32)
     if out.numel() == 0 or k.shape[1] == 0:  # nothing attended: every gradient but the sink's is zero
-        dsink = no_sink
+        dsink = _no_sink(q.device)
         if learnable_sink is not None:
             delta = row_delta(out, dout, dlse) if out.numel() else torch.zeros_like(lse)
             dsink = sink_gradient(lse, delta, learnable_sink)
@@ -136,7 +135,7 @@ def _bwd(
         q, k, v, out, dout, lse, dlse, softmax_scale, causal, deterministic, (window_left, window_right),
         softcap, learnable_sink,
     )  # fmt: skip
-    return grads if learnable_sink is not None else grads + (no_sink,)
+    return grads if learnable_sink is not None else grads + (_no_sink(q.device),)
 
 
 @_bwd.register_fake
@@ -171,14 +170,26 @@ def fwd_backward(ctx, dout, dlse):
         raise NotImplementedError(f"hopper_fmha's backward pass does not support {ctx.unsupported}")
     q, k, v, out, lse, sink = ctx.saved_tensors
     want_sink = sink is not None and ctx.needs_input_grad[_SINK_INPUT]
-    dq, dk, dv, dsink = torch.ops.hopper_fmha.bwd(
+    grads = torch.ops.hopper_fmha.bwd(
         dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.deterministic, *ctx.window,
         ctx.softcap, sink if want_sink else None,
     )  # fmt: skip
-    grads = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
-    if want_sink:
-        grads[_SINK_INPUT] = dsink
-    return tuple(grads)
+    return _input_grads(ctx, grads, _SINK_INPUT if want_sink else None)
+
+
+def _input_grads(ctx, grads, sink_input: int | None) -> tuple:
+    """A forward op's input gradients from the backward op's (dq, dk, dv, dsink): dq, dk, dv
+    first, dsink at `sink_input` (None: no sink gradient wanted), None for the other inputs."""
+    dq, dk, dv, dsink = grads
+    out = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
+    if sink_input is not None:
+        out[sink_input] = dsink
+    return tuple(out)
+
+
+def _no_sink(device) -> torch.Tensor:
+    """The backward ops' dsink where no sink gradient is wanted (an op returns tensors only)."""
+    return torch.empty(0, device=device, dtype=torch.float32)
 
 
 # ---- varlen: the backward op and the autograd of hopper_fmha::varlen_fwd ----
@@ -214,9 +225,7 @@ def _varlen_bwd(
         causal, dlse=dlse, deterministic=deterministic, window_size=(window_left, window_right),
         softcap=softcap, learnable_sink=learnable_sink,
     )  # fmt: skip
-    if learnable_sink is None:
-        return grads + (torch.empty(0, device=q.device, dtype=torch.float32),)
-    return grads
+    return grads if learnable_sink is not None else grads + (_no_sink(q.device),)
 
 
 @_varlen_bwd.register_fake
@@ -251,11 +260,8 @@ def varlen_fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, sink = ctx.saved_tensors
     max_q, max_k, scale, causal, det, left, right, softcap = ctx.args
     want_sink = sink is not None and ctx.needs_input_grad[_VARLEN_SINK_INPUT]
-    dq, dk, dv, dsink = torch.ops.hopper_fmha.varlen_bwd(
+    grads = torch.ops.hopper_fmha.varlen_bwd(
         dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, causal, det, left, right, softcap,
         sink if want_sink else None,
     )  # fmt: skip
-    grads = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
-    if want_sink:
-        grads[_VARLEN_SINK_INPUT] = dsink
-    return tuple(grads)
+    return _input_grads(ctx, grads, _VARLEN_SINK_INPUT if want_sink else None)

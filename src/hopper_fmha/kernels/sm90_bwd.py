@@ -511,6 +511,22 @@ def kernel_head_dim(head_dim: int, head_dim_v: int) -> int:
     )
 
 
+def _check_inputs(dtype_name: str, q, out, dout) -> None:
+    if dtype_name not in _DTYPES:
+        raise NotImplementedError(f"the backward kernel takes float16/bfloat16, got {q.dtype}")
+    if dout.shape != out.shape or dout.dtype != out.dtype:
+        raise ValueError(
+            f"dout must match out: {tuple(out.shape)} {out.dtype}, got {tuple(dout.shape)} {dout.dtype}"
+        )
+
+
+def _window_sides(window_size, causal: bool) -> tuple[int, int]:
+    """(left, right) as the kernel takes them: with causal the right side is the causal mask's
+    (the right limit 0, the tighter of the two), so -1."""
+    left, right = (int(x) for x in window_size)
+    return left, -1 if causal else right
+
+
 def _padded(tensors, kd: int):
     """The tensors with their last mode zero-padded to kd."""
     import torch.nn.functional as F
@@ -589,12 +605,7 @@ def backward(
     dtype_name = str(q.dtype).removeprefix("torch.")
     batch, seqlen_q, heads, d = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
-    if dtype_name not in _DTYPES:
-        raise NotImplementedError(f"the backward kernel takes float16/bfloat16, got {q.dtype}")
-    if dout.shape != out.shape or dout.dtype != out.dtype:
-        raise ValueError(
-            f"dout must match out: {tuple(out.shape)} {out.dtype}, got {tuple(dout.shape)} {dout.dtype}"
-        )
+    _check_inputs(dtype_name, q, out, dout)
     kd = kernel_head_dim(d, v.shape[3])
     if kd != d or kd != v.shape[3]:  # the next kernel up, on zero-padded copies
         grads = backward(
@@ -604,9 +615,7 @@ def backward(
         )  # fmt: skip
         return _unpadded(grads, d, v.shape[3])
     version = DEFAULT_VERSION if version is None else version
-    left, right = (int(x) for x in window_size)
-    if causal:
-        right = -1  # the causal mask is the right limit 0, and the tighter of the two
+    left, right = _window_sides(window_size, causal)
     features = (left >= 0, right >= 0, bool(softcap))  # which, not their sizes: runtime values
     if any(features) and version != 2:
         raise NotImplementedError(f"backward kernel version {version} has no window or softcap (v2 has)")
@@ -693,8 +702,7 @@ def backward_varlen(
     total_q, heads, d = q.shape
     total_k, kv_heads = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
-    if dtype_name not in _DTYPES:
-        raise NotImplementedError(f"the backward kernel takes float16/bfloat16, got {q.dtype}")
+    _check_inputs(dtype_name, q, out, dout)
     kd = kernel_head_dim(d, v.shape[2])
     if kd != d or kd != v.shape[2]:  # the next kernel up, on zero-padded copies
         grads = backward_varlen(
@@ -708,13 +716,7 @@ def backward_varlen(
             f"the varlen backward launches one grid: at most {GRID_YZ_MAX} sequences and q heads, "
             f"got {batch} and {heads}"
         )
-    if dout.shape != out.shape or dout.dtype != out.dtype:
-        raise ValueError(
-            f"dout must match out: {tuple(out.shape)} {out.dtype}, got {tuple(dout.shape)} {dout.dtype}"
-        )
-    left, right = (int(x) for x in window_size)
-    if causal:
-        right = -1
+    left, right = _window_sides(window_size, causal)
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
     device = q.device
     # Each packed row's place in the padded buffers: its row + tile_m * its sequence.
