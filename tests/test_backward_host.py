@@ -20,6 +20,9 @@ from tvm_ffi_binding import assert_binds  # noqa: E402
 from hopper_fmha.kernels import bwd_preprocess  # noqa: E402
 from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
 
+# v2's query tile at d64 (without softcap), as the host picks it.
+T64 = sm90_bwd.query_tile(2, 64)
+
 
 def dense_kernel(launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False):
     """A stand-in for a compiled backward kernel: the same 18 arguments, its part of the work
@@ -135,7 +138,7 @@ def test_launch_matches_the_kernel_signature(kernels):
     assert launch["group"] == 2 and launch["sem"] is None
     # GQA, not deterministic, v2: dK, dV summed per kv head in the kernel (atomic); no features.
     assert keys == [
-        ("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False, True, False, False, False, False, 64)
+        ("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False, True, False, False, False, False, T64)
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
     assert launch["dk"].shape[2] == 2 and launch["dk"].dtype == torch.float32
@@ -167,7 +170,7 @@ def test_deterministic_gets_zeroed_semaphores(kernels):
     q, k, v, out, dout, lse = inputs(sq=130)
     sm90_bwd.backward(q, k, v, out, dout, lse, 0.125, True, deterministic=True)
     sem = launches[-1]["sem"]
-    assert sem.dtype == torch.int32 and sem.shape == (2, 4, 3) and not sem.any()  # ceil(130 / 64) blocks
+    assert sem.dtype == torch.int32 and sem.shape == (2, 4, -(-130 // T64)) and not sem.any()  # query blocks
     assert keys[-1][2:4] == (True, True)
 
 
@@ -216,7 +219,7 @@ def test_score_features_reach_the_kernel(kernels, causal, window, softcap):
     out, lse = reference(q, k, v, 64**-0.5, causal, **features)
     grads = sm90_bwd.backward(q, k, v, out.to(q.dtype), dout, lse, 64**-0.5, causal, **features)
     right = -1 if causal else window[1]
-    assert keys[-1][7:] == (window[0] >= 0, right >= 0, softcap > 0, False, 64)
+    assert keys[-1][7:] == (window[0] >= 0, right >= 0, softcap > 0, False, 64 if softcap else T64)
     assert launches[-1]["window"] == (window[0], right) and launches[-1]["softcap"] == softcap
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     o, _ = reference(*leaves, 64**-0.5, causal, dtype=torch.float64, **features)
@@ -284,7 +287,8 @@ def varlen_kernel(
     launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False, tile=64
 ):
     """A stand-in for the varlen backward kernel: per sequence b, its query rows read from and added
-    into the padded buffers at rows cu_seqlens_q[b] + tile_m b (the kernel's `padded_rows`), the rows
+    into the padded buffers from (cu_seqlens_q[b] + tile_m b) rounded down to a multiple of tile_m
+    (the kernel's `padded_rows`, asserted 16-byte aligned as its TMA boxes need), the rows
     past the sequence's end in the last query block included (their LSE log2 e must be +inf there:
     a finite value would add their P into dK, dV); keys from the packed k, v."""
 
@@ -306,7 +310,8 @@ def varlen_kernel(
             if sk == 0 or sq == 0:
                 continue
             rows = -(-sq // tile) * tile  # whole query blocks, as the kernel walks them
-            p0 = q0 + tile * b
+            p0 = (q0 + tile * b) // tile * tile
+            assert p0 % 4 == 0  # LSE's and D's boxes start on 16 bytes
             qq = torch.zeros(rows, *q.shape[1:], dtype=torch.float64)
             do = torch.zeros(rows, *dout.shape[1:], dtype=torch.float64)
             qq[:sq], do[:sq] = q[q0:q1].double(), dout[q0:q1].double()
@@ -390,10 +395,12 @@ def test_varlen_gradients(varlen_kernels, causal, features, kv_heads, determinis
         deterministic=deterministic, learnable_sink=sink, **features,
     )  # fmt: skip
     (launch,) = launches
-    assert launch["max_k"] == 128 and launch["lse2"].shape == (1, 4, 512)  # 201 + 4 x 64, to 64s
+    tile = 64 if features.get("softcap") else T64
+    # 201 rows + 4 sequences x tile, rounded up to 64s
+    assert launch["max_k"] == 128 and launch["lse2"].shape == (1, 4, -(-(201 + 4 * tile) // 64) * 64)
     assert (launch["sem"] is not None) == deterministic
     if deterministic:
-        assert launch["sem"].shape == (4, 4, 4) and not launch["sem"].any()  # ceil(201 / 64) blocks
+        assert launch["sem"].shape == (4, 4, -(-201 // tile)) and not launch["sem"].any()  # query blocks
     leaves = [t.double().requires_grad_() for t in (q, k, v)] + (
         [] if sink is None else [sink.double().requires_grad_()]
     )
@@ -408,16 +415,40 @@ def test_varlen_gradients(varlen_kernels, causal, features, kv_heads, determinis
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
 
 
-def test_varlen_padding_rows_are_infinite(varlen_kernels):
-    # The query side's buffers: each sequence's rows at cu_seqlens_q[b] + 64 b, then 64 rows of
-    # +inf LSE (so a block's rows past the sequence get P = 0), D 0 there.
-    launches, _ = varlen_kernels
+@pytest.mark.parametrize("tile", [64, 128])
+def test_varlen_padding_rows_are_infinite(varlen_kernels, monkeypatch, tile):
+    # The query side's buffers: sequence b's rows from (cu_seqlens_q[b] + tile b) rounded down to a
+    # multiple of tile (here 0 and tile), +inf LSE after them (so a block's rows past the sequence
+    # get P = 0), D 0 there.
+    monkeypatch.setattr(sm90_bwd, "D64_TILE_M", tile)
+    launches, keys = varlen_kernels
     q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([3, 65], [4, 70])
     sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 65, 70, 0.125, False)
+    assert keys[-1][-1] == tile
     lse2 = launches[-1]["lse2"][0]
     finite = torch.isfinite(lse2[0])
-    assert finite[:3].all() and not finite[3:67].any() and finite[67:132].all() and not finite[132:].any()
-    torch.testing.assert_close(lse2[:, 67:132], lse[:, 3:68] * math.log2(math.e))
+    t = tile
+    assert finite[:3].all() and not finite[3:t].any()
+    assert finite[t : t + 65].all() and not finite[t + 65 :].any()
+    torch.testing.assert_close(lse2[:, t : t + 65], lse[:, 3:68] * math.log2(math.e))
+
+
+@pytest.mark.parametrize("tile", [64, 128])
+def test_varlen_padded_starts_are_whole_blocks_that_never_overlap(tile):
+    # Every sequence's padded start is a multiple of the tile (the LSE/D TMA boxes need 16-byte
+    # starts: an unaligned one stopped the kernel with an illegal instruction, H200 2026-11-27),
+    # its query blocks end before the next sequence's start, and the last ends inside the buffer.
+    g = torch.Generator().manual_seed(tile)
+    for _ in range(200):
+        lengths = torch.randint(0, 300, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)
+        lengths[torch.rand(lengths.shape, generator=g) < 0.2] = 0
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        starts = sm90_bwd.padded_starts(cu, tile)
+        ends = starts[:-1] + -(-lengths // tile) * tile
+        assert (starts % tile == 0).all()
+        assert (ends <= starts[1:]).all()
+        batch = lengths.shape[0]
+        assert ends[-1] <= -(-(int(cu[-1]) + tile * batch) // 64) * 64
 
 
 @pytest.mark.parametrize(

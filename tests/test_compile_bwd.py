@@ -100,9 +100,11 @@ FEATURE_CONFIGS = [
     ("bfloat16", 128, True, False, False, True, True, False, True, True),
 ]
 # Spills measured with both compilers (cu12 / cu13 ptxas), in bytes of stack: d128 with softcap
-# keeps a few loop-invariant addresses on the stack (reloaded once per query block: 56-64 B), as
-# do d128's two-sided windows and varlen (8 B); every other configuration has none.
-FEATURE_STACK_LIMIT = {(128, "softcap"): 64, (128, "both"): 16, (128, "varlen"): 16}
+# keeps a few loop-invariant addresses on the stack (reloaded once per query block: 56-64 B; 72 B
+# with cu13 for varlen + a left window + softcap since the varlen padded start is rounded to a
+# whole query block, session 23), as do d128's two-sided windows and varlen (8 B); every other
+# configuration has none.
+FEATURE_STACK_LIMIT = {(128, "softcap"): 72, (128, "both"): 16, (128, "varlen"): 16}
 
 
 def feature_id(cfg):
@@ -177,8 +179,10 @@ def test_gqa_sums_dk_dv_by_vector_atomics(head_dim):
     assert reds[False] == 0 and reds[True] == head_dim // 2
 
 
-# d64 with 128-query steps (`sm90_bwd.D64_TILE_M`, FA4's d64 tile; off by default, not yet run on
-# a GPU): (dtype, causal, deterministic, mha, dkv_atomic, left, right, varlen).
+# d64 with 128-query steps (`sm90_bwd.D64_TILE_M`, FA4's d64 tile; the default at d64 without
+# softcap since session 23, 16% / 9% faster than 64 on an H200 despite the spills below; the
+# tile-64 kernels above stay spill-free): (dtype, causal, deterministic, mha, dkv_atomic, left,
+# right, varlen).
 TILE_128_CONFIGS = [
     ("bfloat16", False, False, False, True, False, False, False),
     ("bfloat16", True, True, False, False, False, False, False),

@@ -486,9 +486,21 @@ def compile_bwd(
 
 _compiled: dict = {}
 # v2's query tile at d64: 64, or 128 (FA4's d64 tile: twice the GEMM work per step for the same
-# fixed cost; compile tier only, not yet run on a GPU: 128 is for measuring it, `bwd_profile
-# --tile-m 128`). Not with softcap, whose kernel spills 232 bytes at 128.
-D64_TILE_M = 64
+# fixed cost: 369 -> 428 TFLOP/s non-causal, 336 -> 367 causal, bf16 B4 N4096 H32, `bwd_profile
+# --tile-m 64 128`, H200 2026-11-27). Not with softcap, whose kernel spills 232 bytes at 128.
+D64_TILE_M = 128
+
+
+def padded_starts(cu_seqlens_q, tile_m: int):
+    """Where each sequence's rows start in the varlen backward's padded query-side buffers:
+    (cu_seqlens_q[b] + tile_m * b) rounded down to a multiple of tile_m. Sequence b's query blocks
+    end before sequence b + 1's start (floor((c + L + (b + 1) t) / t) >= floor((c + b t) / t) +
+    ceil(L / t)), the last ends by total_q + tile_m * batch, and every query block starts on a
+    multiple of tile_m (the TMA boxes of LSE and D need 16-byte-aligned starts)."""
+    import torch
+
+    b = torch.arange(cu_seqlens_q.shape[0], device=cu_seqlens_q.device, dtype=cu_seqlens_q.dtype)
+    return (cu_seqlens_q + tile_m * b) // tile_m * tile_m
 
 
 def query_tile(version: int, head_dim: int, softcap: bool = False) -> int:
@@ -691,10 +703,9 @@ def backward_varlen(
     sequences. Returns (dq, dk, dv), and dsink fourth with learnable_sink.
 
     The query side's fp32 buffers (LSE log2 e, D, dQacc) hold each sequence's rows followed by
-    tile_m rows of padding (+inf, 0, 0): sequence b's rows start at cu_seqlens_q[b] + tile_m * b
-    (tile_m the kernel's query tile, `query_tile`), so a query block never reads or adds into the
-    next sequence's rows (the kernel's
-    `padded_rows`). D and LSE log2 e come from torch here (the preprocess kernel is dense-only),
+    padding (+inf, 0, 0): sequence b's rows start at `padded_starts` (tile_m the kernel's query
+    tile, `query_tile`), so a query block never reads or adds into the next sequence's rows (the
+    kernel's `padded_rows`). D and LSE log2 e come from torch here (the preprocess kernel is dense-only),
     scattered into that layout; dq is gathered back from it."""
     import torch
 
@@ -719,10 +730,12 @@ def backward_varlen(
     left, right = _window_sides(window_size, causal)
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
     device = q.device
-    # Each packed row's place in the padded buffers: its row + tile_m * its sequence.
+    # Each packed row's place in the padded buffers: its sequence's padded start + its row in it.
     tile_m = query_tile(2, d, bool(softcap))
     rows = torch.arange(total_q, device=device)
-    padded = rows + tile_m * torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
+    seq = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True).clamp_(max=batch - 1)
+    cu = cu_seqlens_q.long()
+    padded = padded_starts(cu, tile_m)[seq] + rows - cu[seq]
     total_pad = -(-(total_q + tile_m * batch) // TILE) * TILE  # (LSE, D's head stride: 64 | it)
     from hopper_fmha.backward import row_delta
 
@@ -735,7 +748,7 @@ def backward_varlen(
     lse2 = torch.full((heads, total_pad), float("inf"), device=device, dtype=torch.float32)
     lse = lse.float()
     delta[:, padded] = delta_rows
-    lse2[:, padded] = torch.where(lse == -float("inf"), float("inf"), lse * LOG2_E)
+    lse2[:, padded] = torch.where((lse == -float("inf")) | ~in_sequence, float("inf"), lse * LOG2_E)
     dq_acc = torch.zeros(total_pad, heads, d, device=device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
