@@ -138,7 +138,21 @@ def test_launch_matches_the_kernel_signature(kernels):
     assert launch["group"] == 2 and launch["sem"] is None
     # GQA, not deterministic, v2: dK, dV summed per kv head in the kernel (atomic); no features.
     assert keys == [
-        ("bfloat16", 64, False, False, sm90_bwd.DEFAULT_VERSION, False, True, False, False, False, False, T64)
+        (
+            "bfloat16",
+            64,
+            False,
+            False,
+            sm90_bwd.DEFAULT_VERSION,
+            False,
+            True,
+            False,
+            False,
+            False,
+            False,
+            T64,
+            False,
+        )
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
     assert launch["dk"].shape[2] == 2 and launch["dk"].dtype == torch.float32
@@ -219,7 +233,7 @@ def test_score_features_reach_the_kernel(kernels, causal, window, softcap):
     out, lse = reference(q, k, v, 64**-0.5, causal, **features)
     grads = sm90_bwd.backward(q, k, v, out.to(q.dtype), dout, lse, 64**-0.5, causal, **features)
     right = -1 if causal else window[1]
-    assert keys[-1][7:] == (window[0] >= 0, right >= 0, softcap > 0, False, 64 if softcap else T64)
+    assert keys[-1][7:12] == (window[0] >= 0, right >= 0, softcap > 0, False, 64 if softcap else T64)
     assert launches[-1]["window"] == (window[0], right) and launches[-1]["softcap"] == softcap
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     o, _ = reference(*leaves, 64**-0.5, causal, dtype=torch.float64, **features)
@@ -424,7 +438,7 @@ def test_varlen_padding_rows_are_infinite(varlen_kernels, monkeypatch, tile):
     launches, keys = varlen_kernels
     q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([3, 65], [4, 70])
     sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 65, 70, 0.125, False)
-    assert keys[-1][-1] == tile
+    assert keys[-1][11] == tile
     lse2 = launches[-1]["lse2"][0]
     finite = torch.isfinite(lse2[0])
     t = tile
@@ -521,7 +535,7 @@ def test_d64_query_tile_128_pads_whole_blocks(kernels, monkeypatch, deterministi
     launches, keys = kernels
     q, k, v, out, dout, lse = inputs(sq=130, sk=75)  # (non-causal out and lse)
     grads = sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False, deterministic=deterministic)
-    assert keys[-1][-1] == 128 and launches[-1]["lse2"].shape[-1] == 256
+    assert keys[-1][11] == 128 and launches[-1]["lse2"].shape[-1] == 256
     assert torch.isinf(launches[-1]["lse2"][..., 130:]).all()
     if deterministic:
         assert launches[-1]["sem"].shape[-1] == 2  # ceil(130 / 128)
@@ -530,10 +544,10 @@ def test_d64_query_tile_128_pads_whole_blocks(kernels, monkeypatch, deterministi
     for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
     sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False, softcap=5.0)
-    assert keys[-1][-1] == 64  # softcap keeps 64 (its kernel spills at 128)
+    assert keys[-1][11] == 64  # softcap keeps 64 (its kernel spills at 128)
     q128, k128, v128, out128, dout128, lse128 = inputs(d=128)
     sm90_bwd.backward(q128, k128, v128, out128, dout128, lse128, 128**-0.5, False)
-    assert keys[-1][-1] == 64
+    assert keys[-1][11] == 64
 
 
 def test_varlen_query_tile_128_pads_each_sequence_by_128(varlen_kernels, monkeypatch):
@@ -541,7 +555,7 @@ def test_varlen_query_tile_128_pads_each_sequence_by_128(varlen_kernels, monkeyp
     launches, keys = varlen_kernels
     q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 130], [90, 5, 128], causal=True)
     grads = sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 130, 128, 64**-0.5, True)
-    assert keys[-1][-1] == 128 and launches[-1]["lse2"].shape[-1] == 640  # 200 + 3 x 128, to 64s
+    assert keys[-1][11] == 128 and launches[-1]["lse2"].shape[-1] == 640  # 200 + 3 x 128, to 64s
     from hopper_fmha.reference import reference_varlen
 
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
@@ -578,3 +592,32 @@ def test_varlen_rows_past_the_last_sequence_add_nothing(varlen_kernels):
     for name, ours, r in zip(("dq", "dk", "dv", "dsink"), grads, ref, strict=True):
         assert torch.isfinite(ours).all(), name
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize(
+    "causal, window, sm_count, rotated",
+    [(False, (-1, -1), 132, True), (True, (-1, -1), 132, False), (False, (5, -1), 132, False),
+     (False, (-1, 7), 132, False), (False, (-1, -1), 1, False)],
+    ids=["full", "causal", "left", "right", "too-few-SMs"],
+)  # fmt: skip
+def test_deterministic_rotates_only_without_mask_and_where_a_head_fits(
+    kernels, monkeypatch, causal, window, sm_count, rotated
+):
+    # The rotated walk (compile-key field 12): deterministic, no causal and no window (every key
+    # block visits every query block), and a head's key blocks no more than the SMs (its one
+    # wrap-around wait is on a later-launched CTA: all of them must be able to run at once).
+    # Not without deterministic. Gradients as the reference's.
+    monkeypatch.setattr(sm90_bwd, "HOST_SM_COUNT", sm_count)
+    launches, keys = kernels
+    q, k, v, _, dout, _ = inputs(sq=200, sk=300)  # 3 key blocks
+    out, lse = reference(q, k, v, 0.125, causal, window_size=window)
+    grads = sm90_bwd.backward(
+        q, k, v, out.to(q.dtype), dout, lse, 0.125, causal, deterministic=True, window_size=window
+    )
+    assert keys[-1][3] is True and keys[-1][12] is rotated
+    sm90_bwd.backward(q, k, v, out.to(q.dtype), dout, lse, 0.125, causal, window_size=window)
+    assert keys[-1][12] is False
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*leaves, 0.125, causal, dtype=torch.float64, window_size=window)
+    for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from hopper_fmha.emulate import block_range
-from hopper_fmha.emulate_bwd import dq_order, emulate_backward, preprocess, query_block_range
+from hopper_fmha.emulate_bwd import (
+    dq_order,
+    emulate_backward,
+    preprocess,
+    query_block_range,
+    rotated_turns,
+    rotated_walk,
+)
 from hopper_fmha.reference import reference, resolve_window
 
 pytestmark = [pytest.mark.cpu, pytest.mark.usefixtures("one_torch_thread")]
@@ -239,6 +246,51 @@ def test_deterministic_order(case):
     assert runs[True, None][1] == runs[True, 1][1]  # deterministic: the schedule's seed changes nothing
     if case == "mha-causal":  # ... while the shuffled schedules add in other orders
         assert runs[False, 1][1] != runs[True, None][1] or runs[False, 2][1] != runs[True, None][1]
+
+
+@pytest.mark.parametrize("seqlens", [(203, 113), (300, 300), (64, 500), (129, 257)], ids=str)
+def test_rotated_deterministic_order(seqlens):
+    # The v2 kernel's rotated walk (deterministic, no causal or window): every key block adds into
+    # every query block once, in `rotated_turns` order, fixed whatever the schedule, and the
+    # gradients are those of the plain order.
+    seqlen_q, seqlen_k = seqlens
+    inputs, _, expected = _autograd(seqlen_q, seqlen_k, 4, 2, False, NO_WINDOW, 0.0, False)
+    block_m, block_n = 64, 128
+    n_m, n_n = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    orders = []
+    for seed in (None, 3):
+        *grads, order = emulate_backward(
+            *inputs, SCALE, False, NO_WINDOW, 0.0, None, block_m, block_n, True,
+            return_order=True, schedule_seed=seed, rotate=True,
+        )  # fmt: skip
+        for m, added in order.items():
+            assert added == rotated_turns(m, n_m, n_n) and sorted(added) == list(range(n_n))
+        for a, b in zip(grads, expected, strict=True):
+            np.testing.assert_allclose(a, b, **TOL)
+        orders.append(order)
+    assert orders[0] == orders[1]
+    with pytest.raises(ValueError, match="rotate"):
+        emulate_backward(*inputs, SCALE, True, deterministic=True, rotate=True)
+
+
+def test_rotated_turns_follow_the_arrival_order():
+    # In the rotated walk a query block's turns go in the order the CTAs reach it, each at least
+    # `stride` steps after the one before: in lockstep no CTA waits for a turn (the plain
+    # ascending order makes CTA n wait n steps at the first block). Fewer query blocks than key
+    # blocks (stride 0): no rotation, descending, the kernel's launch order.
+    for n_m in range(1, 40):
+        for n_n in range(1, 40):
+            stride = n_m // n_n
+            walks = [rotated_walk(n, n_m, n_n) for n in range(n_n)]
+            assert all(sorted(w) == list(range(n_m)) for w in walks)
+            for m in range(n_m):
+                turns = rotated_turns(m, n_m, n_n)
+                assert sorted(turns) == list(range(n_n))
+                if stride == 0:
+                    assert turns == list(range(n_n))[::-1]
+                    continue
+                steps = [walks[n].index(m) for n in turns]
+                assert all(b - a >= stride for a, b in zip(steps, steps[1:], strict=False)), (n_m, n_n, m)
 
 
 def test_fp32_accumulator():

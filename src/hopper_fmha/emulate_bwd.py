@@ -90,6 +90,23 @@ def dq_order(
     return blocks[::-1] if right >= 0 else blocks
 
 
+def rotated_walk(n_block: int, n_m_blocks: int, n_n_blocks: int) -> list[int]:
+    """The query blocks key block n_block visits, in order, in the rotated deterministic mode (the
+    v2 kernel's `rotate`: no causal, no window): from n_block * stride on, wrapping, stride =
+    n_m_blocks // n_n_blocks; from 0 where that is 0 (fewer query blocks than key blocks)."""
+    first = n_block * (n_m_blocks // n_n_blocks)
+    return [(first + i) % n_m_blocks for i in range(n_m_blocks)]
+
+
+def rotated_turns(m_block: int, n_m_blocks: int, n_n_blocks: int) -> list[int]:
+    """The order in which the key blocks add into dQaccum[m_block] in the rotated mode: the order
+    in which their `rotated_walk`s reach it, n0 = min(m // stride, n - 1) first, then n0 - 1, ...,
+    0, n - 1, ..., n0 + 1; descending (the kernel's launch order) where stride is 0."""
+    stride = n_m_blocks // n_n_blocks
+    n0 = min(m_block // stride, n_n_blocks - 1) if stride else n_n_blocks - 1
+    return [(n0 - t) % n_n_blocks for t in range(n_n_blocks)]
+
+
 def preprocess(out, dout, lse, learnable_sink=None):
     """The backward's first kernel, per query row. out, dout: (B, Sq, H, Dv); lse: (B, H, Sq).
 
@@ -125,6 +142,7 @@ def emulate_backward(
     return_order=False,
     dq_accum_dtype=np.float64,
     schedule_seed=None,
+    rotate=False,
 ):
     """Gradients of `reference`'s out by the FA2/3 backward, tile by tile (module docstring).
 
@@ -136,8 +154,12 @@ def emulate_backward(
     deterministic: the fixed order of `dq_order`; otherwise the order of the emulated schedule, in
     which the CTAs of one step go in ascending key block, or shuffled by schedule_seed when given.
     dq_accum_dtype: the dQ accumulator's type (np.float32 as the kernel's).
+    rotate (deterministic, no causal or window): the CTAs walk `rotated_walk` and add in
+    `rotated_turns` order.
     """
     left, right = resolve_window(causal, window_size)
+    if rotate and not (deterministic and left < 0 and right < 0):
+        raise ValueError("rotate: the deterministic mode without causal or a window")
     softcap = check_softcap(softcap)
     q, k, v, out, dout, lse = (_as_f64(t) for t in (q, k, v, out, dout, lse))
     batch, seqlen_q, heads, head_dim = q.shape
@@ -177,7 +199,10 @@ def emulate_backward(
         )
         dk_n = np.zeros(q.shape[:3] + (block_n, head_dim))  # per q head: (B, Hkv, group, block_n, D)
         dv_n = np.zeros(q.shape[:3] + (block_n, head_dim_v))
-        for m in range(*query_block_range(n_start, block_m, block_n, seqlen_q, seqlen_k, left, right)):
+        walk = range(*query_block_range(n_start, block_m, block_n, seqlen_q, seqlen_k, left, right))
+        if rotate:
+            walk = rotated_walk(n, n_m_blocks, n_n_blocks)
+        for m in walk:
             m_start = m * block_m
             rows = slice(m_start, m_start + block_m)
             q_m, do_m = _pad_rows(q, m_start, block_m), _pad_rows(dout, m_start, block_m)
@@ -207,6 +232,8 @@ def emulate_backward(
     active = {n: item for n, item in ((n, next(walk, None)) for n, walk in ctas.items()) if item is not None}
     order = {m: [] for m in range(n_m_blocks)}
     turns = {m: dq_order(m, block_m, block_n, seqlen_q, seqlen_k, left, right) for m in order}
+    if rotate:
+        turns = {m: rotated_turns(m, n_m_blocks, n_n_blocks) for m in order}
     rng = None if schedule_seed is None else random.Random(schedule_seed)
     while active:  # one step: every CTA with work left makes one addition, unless it must wait
         step = sorted(active)

@@ -459,11 +459,13 @@ def compile_bwd(
     softcap: bool = False,
     varlen: bool = False,
     tile_m: int = TILE,
+    rotate: bool = False,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
     window_left/right, softcap: the score features the kernel handles; varlen: packed sequences;
-    tile_m: queries per step (`query_tile`) (version 2 only).
+    tile_m: queries per step (`query_tile`); rotate: the deterministic walk (`rotates`) (version 2
+    only).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
@@ -472,12 +474,13 @@ def compile_bwd(
 
         kernel = BwdWsSm90(
             dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen,
-            tile_m,
+            tile_m, rotate,
         )  # fmt: skip
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
         assert not (window_left or window_right or softcap or varlen), "version 1: no window, softcap, varlen"
         assert tile_m == TILE, "version 1 steps 64 queries"
+        assert not rotate, "version 1: no rotated deterministic walk"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic)
     return cute.compile(
         kernel, *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic, varlen), options=opts
@@ -489,6 +492,36 @@ _compiled: dict = {}
 # fixed cost: 369 -> 428 TFLOP/s non-causal, 336 -> 367 causal, bf16 B4 N4096 H32, `bwd_profile
 # --tile-m 64 128`, H200 2026-11-27). Not with softcap, whose kernel spills 232 bytes at 128.
 D64_TILE_M = 128
+
+
+def rotates(
+    deterministic: bool, version: int, causal: bool, left: int, right: int, seqlen_k: int, device
+) -> bool:
+    """Whether the deterministic v2 kernel walks its query blocks rotated (`BwdWsSm90`'s
+    `rotate`): every key block visits every query block (no causal, no window), and a head's key
+    blocks (its CTAs) fit on the GPU at once. The rotated turn order has one wait on a CTA that
+    launches later (the wrap-around); with all of a head's CTAs resident it cannot block forever,
+    as the earliest unfinished head then always has every CTA launched."""
+    if not (deterministic and version == 2 and not causal and left < 0 and right < 0):
+        return False
+    return -(-seqlen_k // 128) <= _sm_count(device)
+
+
+_SM_COUNTS: dict = {}
+# The SM count `rotates` assumes for tensors off the GPU (the host tests' stand-in kernels).
+HOST_SM_COUNT = 132
+
+
+def _sm_count(device) -> int:
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return HOST_SM_COUNT
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def padded_starts(cu_seqlens_q, tile_m: int):
@@ -648,7 +681,9 @@ def backward(
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
+    rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
+    key = key + (rotate,)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -765,7 +800,12 @@ def backward_varlen(
         # max_seqlen_q below the truth (unchecked under graph capture) cannot index past them.
         sem = torch.zeros(batch, heads, max(1, -(-total_q // tile_m)), device=device, dtype=torch.int32)
     key = (dtype_name, d, bool(causal), bool(deterministic), 2, mha, atomic, left >= 0, right >= 0)
-    key = key + (bool(softcap), True, tile_m)
+    key = key + (
+        bool(softcap),
+        True,
+        tile_m,
+        rotates(deterministic, 2, causal, left, right, max_seqlen_k, device),
+    )
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)

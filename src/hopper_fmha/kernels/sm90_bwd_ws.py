@@ -105,6 +105,7 @@ class BwdWsSm90(BwdSm90):
         softcap: bool = False,
         varlen: bool = False,
         tile_m: int = TILE_M,
+        rotate: bool = False,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
@@ -114,11 +115,17 @@ class BwdWsSm90(BwdSm90):
         varlen: packed sequences (`__call__`'s cu_seqlens; the module docstring's layouts).
         tile_m: queries per step, 64 or (d64 only) 128, FA4's d64 tile: S^T of 64 keys x 128
         queries per warpgroup, and dQ split by query rows (each warpgroup 64 rows x d, K = 128
-        keys) instead of by column halves."""
+        keys) instead of by column halves.
+        rotate (deterministic, no causal or window: every key block visits every query block):
+        CTA n walks the query blocks from n * (C // num_n) on, wrapping (C query blocks, num_n key
+        blocks), and the turns at block m go in the order the CTAs reach it (`turn`). The host
+        sets it only where a head's key blocks fit on the GPU at once (`sm90_bwd.rotates`): the
+        order has one wrap-around wait on a later-launched CTA."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         assert not (causal and window_right), "causal is the right limit 0"
         assert tile_m == TILE_M or (tile_m == 2 * TILE_M and head_dim == 64), "tile_m 128: d64 only"
+        assert not rotate or (deterministic and not (causal or window_left or window_right)), "rotate"
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -137,6 +144,7 @@ class BwdWsSm90(BwdSm90):
         # Deterministic turns descend from a query block's last key block when rows have a right
         # limit (the CTAs of later key blocks reach the block first), and CTAs launch in that order.
         self.descending = causal or window_right
+        self.rotate = rotate
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -284,7 +292,7 @@ class BwdWsSm90(BwdSm90):
         else:
             seqlen = SeqlenInfo(0, mQ.shape[0], 0, mK.shape[0])
         mask = self.mask.with_window(window_size_left, window_size_right)
-        if const_expr(self.deterministic and self.descending):
+        if const_expr(self.deterministic and (self.descending or self.rotate)):
             # Later key blocks first: they take the earlier turns (varlen: the grid's blocks
             # past a sequence's keys have no work).
             n_block = cute.arch.grid_dim()[0] - 1 - n_block
@@ -293,6 +301,7 @@ class BwdWsSm90(BwdSm90):
         if const_expr(self.varlen):
             if n_block * TILE_N >= seqlen.seqlen_k:  # past this sequence's keys: nothing to do
                 m_max = m_min
+        walk = self.walk(n_block, seqlen, m_min, m_max)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -337,7 +346,7 @@ class BwdWsSm90(BwdSm90):
                 self.producer(
                     tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE,
                     mLSE, tma_atom_D, mD, sQ, sdO, sK, sV, sLSE, sD, mbar_KV, pipes, n_block, head,
-                    head // qhead_per_kvhead, batch, seqlen, m_min, m_max,
+                    head // qhead_per_kvhead, batch, seqlen, m_min, m_max, walk,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(REGISTERS[1])
@@ -345,7 +354,7 @@ class BwdWsSm90(BwdSm90):
             self.consumer(
                 tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
                 tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSem, softmax_scale, softcap, mask, seqlen,
-                n_block, head, head // qhead_per_kvhead, batch, m_min, m_max,
+                n_block, head, head // qhead_per_kvhead, batch, m_min, m_max, walk,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer
@@ -353,7 +362,7 @@ class BwdWsSm90(BwdSm90):
     def producer(
         self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
         tma_atom_D, mD, sQ, sdO, sK, sV, sLSE, sD, mbar_KV, pipes, n_block, head, head_kv, batch,
-        seqlen, m_min, m_max,
+        seqlen, m_min, m_max, walk,
     ):  # fmt: skip
         """One warp: K and V of the CTA's keys once, then Q (with its rows' LSE log2 e) and dO
         (with D) of every query block it walks, each into the next free stage of its pipeline."""
@@ -390,7 +399,8 @@ class BwdWsSm90(BwdSm90):
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        for m_block in cutlass.range(m_min, m_max, unroll=1):
+        for i in cutlass.range(m_min, m_max, unroll=1):
+            m_block = self.walk_block(i, m_min, m_max, walk)
             pipe_q.producer_acquire(q_state)
             cute.copy(
                 tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
@@ -420,7 +430,7 @@ class BwdWsSm90(BwdSm90):
     def consumer(
         self, tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
         tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSem, softmax_scale, softcap, mask, seqlen, n_block,
-        head, head_kv, batch, m_min, m_max,
+        head, head_kv, batch, m_min, m_max, walk,
     ):  # fmt: skip
         """Both consumer warpgroups (tidx 0..255): the query blocks [m_min, m_max), then dK, dV."""
         d = self.head_dim
@@ -469,8 +479,12 @@ class BwdWsSm90(BwdSm90):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
         cute.arch.mbarrier_wait(mbar_KV, 0)
-        for m_block in cutlass.range(m_min, m_max, unroll=1):
-            buf = (m_block - m_min) % 2
+        # Deterministic: the query block whose dQ this CTA added last and whose turn it still
+        # holds (passed once the add is complete, during the next block's first GEMMs).
+        held = Int32(-1)
+        for i in cutlass.range(m_min, m_max, unroll=1):
+            m_block = self.walk_block(i, m_min, m_max, walk)
+            buf = (i - m_min) % 2
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
             acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
             pipe_q.consumer_wait(q_state)
@@ -484,6 +498,9 @@ class BwdWsSm90(BwdSm90):
             gemm(
                 tiled_mma_s, acc_dP, tPrV, tPrdO[None, None, None, do_state.index], zero_init=True, wg_wait=-1
             )
+            if const_expr(self.deterministic):
+                if held >= 0:
+                    self.release_turn(mSem, held, head, batch, tidx)
             # Blocks that need the element mask: keys past the end, or past the edge of some row's
             # window (causal's diagonal included); rows past seqlen_q need none (P = 0 by their LSE).
             masked = mask.tile_needs_mask(m_block, n_block, seqlen)
@@ -548,14 +565,19 @@ class BwdWsSm90(BwdSm90):
                 turn = n_block - n_min
                 if const_expr(self.descending):
                     turn = n_max - 1 - n_block
+                if const_expr(self.rotate):
+                    turn = self.turn(m_block - m_min, n_block, walk)
                 self.wait_turn(mSem, m_block, head, batch, turn, tidx)
             self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
             if const_expr(self.deterministic):
-                self.pass_turn(mSem, m_block, head, batch, tidx)
+                held = m_block
             warpgroup.wait_group(0)  # dK done: Q's stage goes back to the producer
             pipe_q.consumer_release(q_state)
             q_state.advance()
 
+        if const_expr(self.deterministic):
+            if held >= 0:
+                self.release_turn(mSem, held, head, batch, tidx)
         if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         out_head = head_kv if const_expr(self.dkv_atomic) else head
@@ -690,6 +712,55 @@ class BwdWsSm90(BwdSm90):
                     acc_S_mn[r, c] = p
                     acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dsum) * (1.0 - t * t)
 
+    @cute.jit
+    def walk(self, n_block, seqlen, m_min, m_max):
+        """(first query block this CTA visits, stride, num_n): [m_min, m_max) in order from m_min,
+        or (`rotate`) from m_min + n_block * stride, stride = C // num_n for C query blocks and
+        num_n key blocks, wrapping at m_max. stride 0 (C < num_n, or no work): no rotation."""
+        first, stride, num_n = m_min, Int32(0), Int32(1)
+        if const_expr(self.rotate):
+            num_n = cutlass.max((seqlen.seqlen_k + TILE_N - 1) // TILE_N, 1)
+            if const_expr(self.varlen):
+                num_n = cutlass.min(num_n, cute.arch.grid_dim()[0])  # (as the turns' n_max)
+            stride = (m_max - m_min) // num_n
+            first = m_min + n_block * stride
+        return first, stride, num_n
+
+    @cute.jit
+    def walk_block(self, i, m_min, m_max, walk):
+        """The query block of step i - m_min of the walk (`walk`)."""
+        m_block = i
+        if const_expr(self.rotate):
+            m_block = i + walk[0] - m_min
+            if m_block >= m_max:
+                m_block = m_block - (m_max - m_min)
+        return m_block
+
+    @cute.jit
+    def turn(self, m, n_block, walk):
+        """`rotate`'s turn of key block n_block at query block m (from m_min): the CTAs in the
+        order they reach m. CTA n starts at n * stride, so the last to have started at or before m,
+        n0 = min(m // stride, num_n - 1), reaches it first, then n0 - 1, ..., 0, then num_n - 1,
+        ..., n0 + 1 (each reaches m stride steps after the one before it). Without rotation
+        (stride 0) every CTA starts at m_min: descending, the launch order."""
+        _, stride, num_n = walk
+        turn = num_n - 1 - n_block
+        if stride > 0:
+            n0 = cutlass.min(m // stride, num_n - 1)
+            turn = n0 - n_block
+            if turn < 0:
+                turn = turn + num_n
+        return turn
+
+    @cute.jit
+    def release_turn(self, mSem, m_block, head, batch, tidx):
+        """Deterministic: once this CTA's reduce-adds into block m_block are complete (each
+        warpgroup's issuing warp waits for its bulk group), the block's turn passes on."""
+        if tidx % WARPGROUP < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")  # the adds' writes before the turn's release
+        self.pass_turn(mSem, m_block, head, batch, tidx)
+
     def sync_turn(self):
         """`BwdSm90.wait_turn` and `pass_turn` (inherited) sync the two consumer warpgroups only."""
         cute.arch.barrier(barrier_id=BARRIER_TURN, number_of_threads=NUM_MMA_THREADS)
@@ -717,8 +788,8 @@ class BwdWsSm90(BwdSm90):
     @cute.jit
     def issue_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx):
         """dQacc[block m_block][:, half w] += warpgroup w's sdQ buffer: one TMA reduce-add issued
-        by the warpgroup's first warp. Deterministic: waited for until its writes are done (the
-        turn passes after them); else in flight while the loop goes on."""
+        by the warpgroup's first warp, in flight while the loop goes on (deterministic: the turn
+        passes once its writes are done, `release_turn`)."""
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         if tidx % WARPGROUP < 32:
             if const_expr(self.deterministic):
@@ -733,9 +804,6 @@ class BwdWsSm90(BwdSm90):
             tdQs, tdQg = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), s_grouped, g_grouped)
             cute.copy(tma_atom_dQ, tdQs, tdQg)
             cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_proxy("async.global")  # its writes before the turn's release
 
     @cute.jit
     def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen):
