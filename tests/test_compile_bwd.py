@@ -207,3 +207,18 @@ def test_d64_query_tile_128_compiles(cfg):
     assert summary["hgmma_ss"] == 4 + 4 + 8 and summary["hgmma_rs"] == 16
     assert "64x128x16" in summary["hgmma_shapes"] and "64x64x16" in summary["hgmma_shapes"]
     assert "UTMAREDG.4D.ADD" in text and ("MEMBAR.ALL.GPU" in text) == det
+
+
+@pytest.mark.parametrize("d, tile_m", [(128, 64), (64, 128)], ids=["d128", "d64-tile128"])
+def test_rotated_deterministic_walk_compiles(d, tile_m):
+    # The rotated walk (deterministic, no causal or window: `rotate`, compile-key field 12) adds
+    # integer work only: the same GEMMs, the semaphores' fences, and no more stack than the
+    # plain deterministic kernel of the same tile.
+    plain = bwd_cubin("bfloat16", d, False, True, 2, False, False, False, False, False, False, tile_m)
+    rotated = bwd_cubin("bfloat16", d, False, True, 2, False, False, False, False, False, False, tile_m, True)
+    assert stack_bytes(rotated) <= stack_bytes(plain)
+    texts = [sass_or_skip(c) for c in (plain, rotated)]
+    summaries = [sass_summary(t) for t in texts]
+    for key in ("hgmma_ss", "hgmma_rs"):
+        assert summaries[0][key] == summaries[1][key]
+    assert all("MEMBAR.ALL.GPU" in t and "UTMAREDG.4D.ADD" in t for t in texts)

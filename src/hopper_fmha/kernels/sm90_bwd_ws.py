@@ -19,7 +19,8 @@ and dO, from the preprocess):
                                                 transposed), K^T's columns of half w
     dQacc[m][:, half w] += scale * that         through sdQ[w] (fp32, 128B-swizzled) by one TMA
                                                 reduce-add (deterministic: at the CTA's turn,
-                                                complete before the turn passes)
+                                                complete before the turn passes, which it
+                                                does during the next block's first GEMMs)
 
 Q and dO stream through two-stage TMA pipelines (the producer runs up to two query blocks ahead),
 released when a block's last GEMM has read them. sdS has two buffers: when a warpgroup passes
@@ -27,7 +28,12 @@ block m + 1's barrier, the other has finished block m (its dQ GEMM read sdS[m % 
 block m + 2 may overwrite that buffer. sdQ has one buffer per warpgroup: its first warp waits
 until the previous block's reduce-add has read it before the warpgroup writes it again.
 Deterministic mode: `sm90_bwd`'s semaphores with 128-key blocks (one turn per CTA, both
-warpgroups' halves of dQ inside it; dQ is staged in sdQ before the turn is waited for).
+warpgroups' halves of dQ inside it; dQ is staged in sdQ before the turn is waited for). A CTA
+releases a block's turn once its reduce-adds are complete, but not in place: during the next
+block's S^T and dP^T GEMMs (`release_turn`; waiting in place cost ~1 block in 5 at d128). Without
+causal or window (`rotate`) CTA n starts its walk at query block n * (C // num_n) and wraps, so
+the CTAs of a head do not all queue at block 0 (the plain ascending order made CTA n wait n turns
+there); the turns follow the arrival order (`turn`).
 
 The epilogue writes dK * scale and dV per q head (MHA: in the inputs' type), or, with GQA and not
 deterministic (`dkv_atomic`), adds them into per-kv-head fp32 sums (red.global.add.v2.f32), so
@@ -551,8 +557,8 @@ class BwdWsSm90(BwdSm90):
             pipe_do.consumer_release(do_state)
             do_state.advance()
 
-            # dQ into sdQ, then (deterministic: at the CTA's turn, complete before the turn passes)
-            # added into dQacc by TMA.
+            # dQ into sdQ, then (deterministic: at the CTA's turn, complete before the turn passes,
+            # `release_turn`) added into dQacc by TMA.
             self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx)
             if const_expr(self.deterministic):
                 # The key blocks that visit query block m_block, by the forward's rule (the same
