@@ -59,8 +59,8 @@ def main():
         "--tile-m",
         type=int,
         nargs="+",
-        default=[64],
-        help="v2's d64 query tiles to time (64, 128: D64_TILE_M)",
+        default=[sm90_bwd.D64_TILE_M],
+        help=f"v2's d64 query tiles to time (64, 128; default D64_TILE_M, {sm90_bwd.D64_TILE_M})",
     )
     args = parser.parse_args()
     q, k, v, out, dout, lse = inputs(args)
@@ -81,6 +81,7 @@ def main():
     name += " deterministic" if args.deterministic else ""
     runs = [(version, 64) for version in args.versions if version == 1]
     runs += [(2, tile_m) for tile_m in args.tile_m if 2 in args.versions]
+    default_tile = sm90_bwd.D64_TILE_M
     for version, tile_m in runs:
         sm90_bwd.D64_TILE_M = tile_m  # (the query tile of d64 only)
         ms = time_ms(lambda version=version: call(version))
@@ -92,7 +93,7 @@ def main():
         for e in prof.key_averages():
             if e.device_time_total > 0:
                 print(f"    {e.device_time_total / 1e3:8.3f} ms  {e.key[:100]}")
-    sm90_bwd.D64_TILE_M = 64
+    sm90_bwd.D64_TILE_M = default_tile  # the probes time the default kernel
     for probe in args.probes:
         method, fn = PROBES[probe]
         saved = getattr(sm90_bwd_ws.BwdWsSm90, method)
