@@ -501,7 +501,8 @@ def rotates(
     `rotate`): every key block visits every query block (no causal, no window), and a head's key
     blocks (its CTAs) fit on the GPU at once. The rotated turn order has one wait on a CTA that
     launches later (the wrap-around); with all of a head's CTAs resident it cannot block forever,
-    as the earliest unfinished head then always has every CTA launched."""
+    as the earliest unfinished head then always has every CTA launched. (The SM count is torch's:
+    a MIG slice's own; an MPS client limited to fewer SMs than that is not covered.)"""
     if not (deterministic and version == 2 and not causal and left < 0 and right < 0):
         return False
     return -(-seqlen_k // 128) <= _sm_count(device)
