@@ -5,6 +5,7 @@ runs one call only, for `ncu --kernel-name regex:BwdWsSm90`.
 
     python scripts/bwd_profile.py --d 128 --heads 16 [--causal] [--deterministic] [--probes nodq]
     python scripts/bwd_profile.py --d 64 --heads 32 --versions 2 --tile-m 64 128  # d64's query tile
+    python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --tile-m 64 80  # d128's
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def main():
         "--tile-m",
         type=int,
         nargs="+",
-        default=[sm90_bwd.D64_TILE_M],
-        help=f"v2's d64 query tiles to time (64, 128; default D64_TILE_M, {sm90_bwd.D64_TILE_M})",
+        default=None,
+        help="v2's query tiles to time: d64 64 / 128 (default D64_TILE_M), d128 64 / 80 (default "
+        "D128_TILE_M; 80 without --causal only)",
     )
     args = parser.parse_args()
     q, k, v, out, dout, lse = inputs(args)
@@ -80,12 +82,14 @@ def main():
     name += " causal" if args.causal else ""
     name += " deterministic" if args.deterministic else ""
     runs = [(version, 64) for version in args.versions if version == 1]
-    runs += [(2, tile_m) for tile_m in args.tile_m if 2 in args.versions]
-    default_tile = sm90_bwd.D64_TILE_M
+    tiles = args.tile_m or [getattr(sm90_bwd, "D128_TILE_M" if args.d == 128 else "D64_TILE_M")]
+    runs += [(2, tile_m) for tile_m in tiles if 2 in args.versions]
+    switch = "D128_TILE_M" if args.d == 128 else "D64_TILE_M"  # (the tile of that head dim only)
+    default_tile = getattr(sm90_bwd, switch)
     for version, tile_m in runs:
-        sm90_bwd.D64_TILE_M = tile_m  # (the query tile of d64 only)
+        setattr(sm90_bwd, switch, tile_m)
         ms = time_ms(lambda version=version: call(version))
-        tile = f" tile_m {tile_m}" if args.d == 64 and version == 2 else ""
+        tile = f" tile_m {tile_m}" if version == 2 else ""
         print(f"{name} v{version}{tile}: backward() {ms:.3f} ms, {fmul / ms / 1e9:.1f} TFLOP/s")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             call(version)
@@ -93,7 +97,7 @@ def main():
         for e in prof.key_averages():
             if e.device_time_total > 0:
                 print(f"    {e.device_time_total / 1e3:8.3f} ms  {e.key[:100]}")
-    sm90_bwd.D64_TILE_M = default_tile  # the probes time the default kernel
+    setattr(sm90_bwd, switch, default_tile)  # the probes time the default kernel
     for probe in args.probes:
         method, fn = PROBES[probe]
         saved = getattr(sm90_bwd_ws.BwdWsSm90, method)

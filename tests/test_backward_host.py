@@ -621,3 +621,45 @@ def test_deterministic_rotates_only_without_mask_and_where_a_head_fits(
     o, _ = reference(*leaves, 0.125, causal, dtype=torch.float64, window_size=window)
     for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_d128_query_tile_80_pads_whole_blocks(kernels, monkeypatch, deterministic):
+    # D128_TILE_M = 80 (FA4's d128 non-causal tile): the LSE/D rows padded to 80-row blocks and
+    # then to a multiple of 64 (the strides' divisibility), +inf past s_q, the semaphores count
+    # 80-row blocks; causal, a window or softcap keep 64. The gradients as before.
+    monkeypatch.setattr(sm90_bwd, "D128_TILE_M", 80)
+    launches, keys = kernels
+    q, k, v, out, dout, lse = inputs(sq=170, sk=75, d=128)
+    grads = sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, False, deterministic=deterministic)
+    assert keys[-1][11] == 80 and launches[-1]["lse2"].shape[-1] == 256  # 3 x 80 = 240, to 64s
+    assert torch.isinf(launches[-1]["lse2"][..., 170:]).all()
+    if deterministic:
+        assert launches[-1]["sem"].shape[-1] == 3  # ceil(170 / 80)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*leaves, 128**-0.5, False, dtype=torch.float64)
+    for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+    c_out, c_lse = reference(q, k, v, 128**-0.5, True)
+    sm90_bwd.backward(q, k, v, c_out.to(q.dtype), dout, c_lse, 128**-0.5, True)
+    assert keys[-1][11] == 64  # causal keeps 64
+    w_out, w_lse = reference(q, k, v, 128**-0.5, False, window_size=(20, -1))
+    sm90_bwd.backward(q, k, v, w_out.to(q.dtype), dout, w_lse, 128**-0.5, False, window_size=(20, -1))
+    assert keys[-1][11] == 64  # so does a window
+
+
+def test_varlen_query_tile_80_starts_on_whole_blocks(varlen_kernels, monkeypatch):
+    # Packed sequences with the 80-row tile: each sequence's padded start a multiple of 80 (the
+    # stand-in asserts 16-byte starts), gradients as the reference's.
+    monkeypatch.setattr(sm90_bwd, "D128_TILE_M", 80)
+    from hopper_fmha.reference import reference_varlen
+
+    launches, keys = varlen_kernels
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 93], [90, 5, 128], d=128)
+    grads = sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 93, 128, 128**-0.5, False)
+    assert keys[-1][11] == 80
+    assert (sm90_bwd.padded_starts(cu_q.long(), 80) == torch.tensor([0, 80, 160, 400])).all()
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=128**-0.5, dtype=torch.float64)
+    for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)

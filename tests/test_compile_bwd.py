@@ -222,3 +222,30 @@ def test_rotated_deterministic_walk_compiles(d, tile_m):
     for key in ("hgmma_ss", "hgmma_rs"):
         assert summaries[0][key] == summaries[1][key]
     assert all("MEMBAR.ALL.GPU" in t and "UTMAREDG.4D.ADD" in t for t in texts)
+
+
+# d128 without causal or window with 80-query steps (`sm90_bwd.D128_TILE_M = 80`, FA4's tile; off
+# by default, not yet run on a GPU): (dtype, deterministic, mha, dkv_atomic, varlen, rotate).
+TILE_80_CONFIGS = [
+    ("bfloat16", False, False, True, False, False),
+    ("bfloat16", True, False, False, False, True),
+    ("float16", False, True, False, False, False),
+    ("bfloat16", False, False, True, True, False),
+]
+# Measured (cu13): 24 B of stack, 32 deterministic.
+TILE_80_STACK_LIMIT = 32
+
+
+@pytest.mark.parametrize("cfg", TILE_80_CONFIGS, ids=[str(i) for i in range(len(TILE_80_CONFIGS))])
+def test_d128_query_tile_80_compiles(cfg):
+    # S^T and dP^T: 64 keys x 80 queries per warpgroup (K = d); dQ^T = K^T dS^T: 64 of d x 80
+    # queries (K = 128 keys), so the SS count is that of tile 64; dV and dK take K = 80 (5 RS).
+    dtype, det, mha, atomic, varlen, rotate = cfg
+    cubin = bwd_cubin(dtype, 128, False, det, 2, mha, atomic, False, False, False, varlen, 80, rotate)
+    assert stack_bytes(cubin) <= TILE_80_STACK_LIMIT, f"{stack_bytes(cubin)} bytes of stack"
+    text = sass_or_skip(cubin)
+    summary = sass_summary(text)
+    assert summary["hgmma_ss"] == 2 * 128 // 16 + 128 // 16
+    assert summary["hgmma_rs"] == 2 * 80 // 16
+    assert "64x80x16" in summary["hgmma_shapes"] and "64x128x16" in summary["hgmma_shapes"]
+    assert "UTMAREDG.4D.ADD" in text and ("MEMBAR.ALL.GPU" in text) == det

@@ -225,7 +225,7 @@ def test_row_stats_torch_fallback(hopper_gpu, monkeypatch, causal):
     check_grads(ours, ref, grads(q, k, v, dout, d_scale(q), causal, torch.bfloat16), torch.bfloat16)
 
 
-# ---- d64 with 128-query steps (`sm90_bwd.D64_TILE_M = 128`, FA4's d64 tile; off by default) ----
+# ---- d64 with 128-query steps (`sm90_bwd.D64_TILE_M = 128`, FA4's d64 tile; the default) ----
 
 TILE_128_SEQLENS = [(1, 1), (3, 3), (113, 203), (128, 217), (239, 1), (799, 3), (1023, 1024)]
 
@@ -255,7 +255,50 @@ def test_d64_query_tile_128(hopper_gpu, monkeypatch, dtype, deterministic, causa
         check_repeats_bitwise(ours, out, (q, k, v), dout)
 
 
-# ---- head dims other than 64 and 128: the next kernel up on zero-padded copies (not yet run) ----
+# ---- d128 non-causal with 80-query steps (`sm90_bwd.D128_TILE_M = 80`, FA4's tile; off by default,
+# not yet run): dQ^T = K^T dS^T. Masked problems (causal, window) keep 64: those run once. ----
+
+TILE_80_SEQLENS = [(1, 1), (3, 3), (79, 81), (80, 217), (161, 160), (239, 1), (799, 3), (1023, 1024)]
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", TILE_80_SEQLENS, ids=[f"{a}x{b}" for a, b in TILE_80_SEQLENS])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
+def test_d128_query_tile_80(hopper_gpu, monkeypatch, dtype, deterministic, varlen, seqlens, heads):
+    import hopper_fmha
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "D128_TILE_M", 80)
+    sq, sk = seqlens
+    h, hkv = HEADS[heads]
+    seed = zlib.crc32(repr(("tile80", varlen, seqlens, heads, str(dtype))).encode())
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, sq, sk, h, hkv, 128, dtype, seed))
+    scale = 128**-0.5
+    if not varlen:
+        out = hopper_fmha.flash_attn_func(q, k, v, deterministic=deterministic)
+        dout = torch.randn_like(out)
+        ours = torch.autograd.grad(out, (q, k, v), dout, retain_graph=deterministic)
+        ref = grads(q, k, v, dout, scale, False, torch.float64)
+        check_grads(ours, ref, grads(q, k, v, dout, scale, False, dtype), dtype)
+        if deterministic:
+            check_repeats_bitwise(ours, out, (q, k, v), dout)
+        return
+    # The two batch entries packed as two sequences (starts 0 and sq: the second's padded start
+    # is a multiple of 80): each sequence's gradients are its dense problem's.
+    cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
+    packed = [t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v)]
+    out = hopper_fmha.flash_attn_varlen_func(*packed, cu_q, cu_k, sq, sk, deterministic=deterministic)
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, packed, dout)
+    dout_b = dout.view(2, sq, h, 128)
+    ref = grads(q, k, v, dout_b, scale, False, torch.float64)
+    lowp = grads(q, k, v, dout_b, scale, False, dtype)
+    check_grads([g.view(2, -1, *g.shape[1:]) for g in ours], ref, lowp, dtype)
+
+
+# ---- head dims other than 64 and 128: the next kernel up on zero-padded copies ----
 
 PADDED_DIMS = [(32, 32), (80, 80), (96, 96), (96, 64), (128, 96), (40, 24)]
 

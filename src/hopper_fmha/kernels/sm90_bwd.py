@@ -492,6 +492,10 @@ _compiled: dict = {}
 # fixed cost: 369 -> 428 TFLOP/s non-causal, 336 -> 367 causal, bf16 B4 N4096 H32, `bwd_profile
 # --tile-m 64 128`, H200 2026-11-27). Not with softcap, whose kernel spills 232 bytes at 128.
 D64_TILE_M = 128
+# v2's query tile at d128 without causal, window or softcap: 64, or 80 (FA4's d128 non-causal
+# tile, dQ as dQ^T = K^T dS^T: built in session 23, compile tier only, not yet run on a GPU; 80
+# is for measuring it, `bwd_profile --d 128 --tile-m 64 80`).
+D128_TILE_M = 64
 
 
 def rotates(
@@ -537,10 +541,14 @@ def padded_starts(cu_seqlens_q, tile_m: int):
     return (cu_seqlens_q + tile_m * b) // tile_m * tile_m
 
 
-def query_tile(version: int, head_dim: int, softcap: bool = False) -> int:
-    """Queries per step of the kernel that runs (version, head_dim, softcap): the LSE/D padding
-    and the deterministic semaphores count blocks of it."""
-    return D64_TILE_M if version == 2 and head_dim == 64 and not softcap else TILE
+def query_tile(version: int, head_dim: int, softcap: bool = False, masked: bool = False) -> int:
+    """Queries per step of the kernel that runs (version, head_dim, softcap, masked: causal or a
+    window): the LSE/D padding and the deterministic semaphores count blocks of it."""
+    if version != 2 or softcap:
+        return TILE
+    if head_dim == 64:
+        return D64_TILE_M
+    return D128_TILE_M if head_dim == 128 and not masked else TILE
 
 
 def kernel_head_dim(head_dim: int, head_dim_v: int) -> int:
@@ -590,13 +598,15 @@ def _unpadded(grads, head_dim: int, head_dim_v: int):
 
 def row_stats(out, dout, lse, dlse, block: int = TILE):
     """(D, LSE log2 e) as the kernels read them: (b, h, s_pad) float32, s_pad = s_q rounded up to
-    a multiple of `block` (the kernel's query tile), D = rowsum(dout * out) - dlse, +inf and 0
+    a multiple of `block` (the kernel's query tile), then of 64 (the strides' declared
+    divisibility; 80-row blocks), D = rowsum(dout * out) - dlse, +inf and 0
     past s_q and +inf where lse = -inf (`bwd_preprocess`'s contract): from the preprocess kernel
     (PREPROCESS_KERNEL), else from torch. s_q >= 1."""
     import torch
 
     batch, seqlen_q, heads = out.shape[:3]
     seqlen_pad = -(-seqlen_q // block) * block
+    seqlen_pad = -(-seqlen_pad // TILE) * TILE
     delta = torch.empty(batch, heads, seqlen_pad, device=out.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
     lse = lse.float().contiguous()
@@ -666,7 +676,7 @@ def backward(
     if any(features) and version != 2:
         raise NotImplementedError(f"backward kernel version {version} has no window or softcap (v2 has)")
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))  # no copy where already contiguous
-    tile_m = query_tile(version, d, bool(softcap))
+    tile_m = query_tile(version, d, bool(softcap), causal or left >= 0 or right >= 0)
     delta, lse2 = row_stats(out, dout, lse, dlse, tile_m)
     dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
     group = heads // kv_heads
@@ -767,7 +777,7 @@ def backward_varlen(
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
     device = q.device
     # Each packed row's place in the padded buffers: its sequence's padded start + its row in it.
-    tile_m = query_tile(2, d, bool(softcap))
+    tile_m = query_tile(2, d, bool(softcap), causal or left >= 0 or right >= 0)
     rows = torch.arange(total_q, device=device)
     seq = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True).clamp_(max=batch - 1)
     cu = cu_seqlens_q.long()

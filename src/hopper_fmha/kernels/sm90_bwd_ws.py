@@ -50,6 +50,10 @@ dQacc) are padded per sequence (`padded_rows`).
 tile_m (queries per step) is 64, or 128 at d64 (FA4's d64 tile, the default there: 16% faster
 non-causal, 9% causal, H200 2026-11-27; it spills 32-56 B, loop-invariant addresses): S^T
 of 64 keys x 128 queries per warpgroup, and dQ split by query rows, each warpgroup 64 rows x d.
+Or 80 at d128 without causal, window or softcap (FA4's tile there; off by default,
+`sm90_bwd.D128_TILE_M`, compile tier only): S^T of 64 keys x 80 queries, and dQ^T = K^T dS^T
+per warpgroup for its half of d (WGMMA's M is 64 rows a warpgroup, so dQ itself cannot have 80),
+staged transposed into the (80, d / 2) TMA box; shared memory 226.3 KB of 227.
 
 Arguments and host side: as `sm90_bwd.BwdSm90` (the same `backward` drives both; the
 semaphores count tile_m-row query blocks).
@@ -130,7 +134,10 @@ class BwdWsSm90(BwdSm90):
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         assert not (causal and window_right), "causal is the right limit 0"
-        assert tile_m == TILE_M or (tile_m == 2 * TILE_M and head_dim == 64), "tile_m 128: d64 only"
+        assert tile_m in (TILE_M, 80) or (tile_m == 2 * TILE_M and head_dim == 64), "tile_m 128: d64 only"
+        assert tile_m != 80 or (head_dim == 128 and not (causal or window_left or window_right or softcap)), (
+            "tile_m 80: d128 without causal, window or softcap"
+        )
         assert not rotate or (deterministic and not (causal or window_left or window_right)), "rotate"
         self.dtype = dtype
         self.head_dim = head_dim
@@ -143,8 +150,14 @@ class BwdWsSm90(BwdSm90):
         self.varlen = varlen
         self.tile_m = tile_m
         # dQ per warpgroup: 64 rows x d / 2 columns (tile_m 64), or 64 of the 128 rows x d.
-        self.dq_by_rows = tile_m > TILE_M
-        self.dq_tile = (TILE_M, head_dim) if self.dq_by_rows else (TILE_M, head_dim // 2)
+        self.dq_by_rows = tile_m == 2 * TILE_M
+        # tile_m 80 (FA4's d128 non-causal tile): dQ = dS K has M = 80 queries, which WGMMA does
+        # not take (64 rows per warpgroup), so each warpgroup computes dQ^T = K^T dS^T for its
+        # half of d (M = d / 2, N = 80, K = 128 keys), staged transposed into the (80, d / 2) box.
+        self.dq_swapped = tile_m == 80
+        self.dq_tile = (TILE_M, head_dim) if self.dq_by_rows else (tile_m, head_dim // 2)
+        # The dQ GEMM's tile per warpgroup (its M, N).
+        self.dq_mma_tile = (head_dim // 2, tile_m) if self.dq_swapped else self.dq_tile
         # Query tiles of tile_m rows, key tiles of the CTA's 128 keys.
         self.mask = Mask(tile_m, TILE_N, causal, window_left, window_right)
         # Deterministic turns descend from a query block's last key block when rows have a right
@@ -170,8 +183,8 @@ class BwdWsSm90(BwdSm90):
                 OperandMajorMode.MN,
                 OperandMajorMode.MN,
                 Float32,
-                atom_layout_mnk=(2, 1, 1) if self.dq_by_rows else (1, 2, 1),
-                tiler_mn=self.dq_tile,  # a warpgroup's part
+                atom_layout_mnk=(2, 1, 1) if self.dq_by_rows or self.dq_swapped else (1, 2, 1),
+                tiler_mn=self.dq_mma_tile,  # a warpgroup's part
             ),
         )
 
@@ -242,6 +255,25 @@ class BwdWsSm90(BwdSm90):
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * STAGES], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * STAGES], 128]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 1024]
+
+        # tile_m 80: 226.3 KB of the 227 allowed, with the rows last so that sdQ's 1 KB
+        # alignment costs nothing (the order above would need 227.0).
+        @cute.struct
+        class SharedStorage80:
+            mbar_KV: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * STAGES], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * STAGES], 128]
+
+        if const_expr(self.dq_swapped):
+            SharedStorage = SharedStorage80
 
         # Key blocks x q heads x batch (varlen: of the longest key sequence x heads x sequences).
         grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE_N), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
@@ -468,8 +500,12 @@ class BwdWsSm90(BwdSm90):
         tPrdO = wg_s.make_fragment_B(wg_s.partition_B(sdO))
         tVrdOt = wg_kv.make_fragment_B(wg_kv.partition_B(sdOt))
         tKrQt = wg_kv.make_fragment_B(wg_kv.partition_B(sQt))
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdSt))
-        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+        if const_expr(self.dq_swapped):  # dQ^T = K^T dS^T: K^T is A, dS^T's view (q, keys) B
+            tQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(sKt))
+            tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdSt))
+        else:
+            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdSt))
+            tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
 
         acc_shape_S = thr_s.partition_shape_C((TILE_N, tile_m))
         acc_dV = thr_kv.make_fragment_C(thr_kv.partition_shape_C((TILE_N, d)))
@@ -543,8 +579,12 @@ class BwdWsSm90(BwdSm90):
                 wg_wait=-1,
             )
             cute.arch.barrier(barrier_id=BARRIER_DS, number_of_threads=NUM_MMA_THREADS)
-            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tile_m, d)))
-            gemm(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buf], tQrKt, zero_init=True, wg_wait=-1)
+            if const_expr(self.dq_swapped):
+                acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((d, tile_m)))
+                gemm(tiled_mma_dq, acc_dQ, tQrKt, tQrdS[None, None, None, buf], zero_init=True, wg_wait=-1)
+            else:
+                acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tile_m, d)))
+                gemm(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buf], tQrKt, zero_init=True, wg_wait=-1)
             gemm(
                 tiled_mma_kv,
                 acc_dK,
@@ -598,7 +638,11 @@ class BwdWsSm90(BwdSm90):
         and every block's TMA box starts on a whole block. A 1-D box of LSE or D at a row that is
         not a multiple of 4 floats, 16 bytes, stops the kernel with an illegal instruction:
         measured, H200 2026-11-27)."""
-        start = (seqlen.offset_q + self.tile_m * batch) & Int32(-self.tile_m)  # (a power of 2)
+        start = seqlen.offset_q + self.tile_m * batch
+        if const_expr(self.tile_m & (self.tile_m - 1) == 0):
+            start = start & Int32(-self.tile_m)
+        else:  # (80)
+            start = start // self.tile_m * self.tile_m
         if const_expr(cute.rank(mX) == 3):
             if const_expr(not self.varlen):
                 return mX[None, head, batch]
@@ -780,9 +824,12 @@ class BwdWsSm90(BwdSm90):
         # This warpgroup's accumulator is a one-warpgroup GEMM's of `dq_tile`.
         half_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=self.dq_tile,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=self.dq_mma_tile,
         )  # fmt: skip
-        tdQsdQ = half_mma.get_slice(wtid).partition_C(sdQ[None, None, wg])
+        sdQ_wg = sdQ[None, None, wg]
+        if const_expr(self.dq_swapped):  # the buffer seen as (d / 2, tile_m): dQ^T's shape
+            sdQ_wg = cute.composition(sdQ_wg, cute.make_ordered_layout(self.dq_mma_tile, order=(1, 0)))
+        tdQsdQ = half_mma.get_slice(wtid).partition_C(sdQ_wg)
         if wtid < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
