@@ -526,23 +526,32 @@ def test_bwd_profile_probes_match_the_methods_they_replace():
         assert list(ours) == list(theirs), method
 
 
+def check_whole_query_blocks(kernels, d, sq, tile, padded, deterministic):
+    """backward at head dim d, s_q = sq (non-causal, s_k = 75) runs the tile-`tile` kernel: LSE/D
+    padded to `padded` rows (+inf past s_q), the semaphores count tile-row blocks, the gradients
+    the reference's. Returns the inputs."""
+    launches, keys = kernels
+    q, k, v, out, dout, lse = inputs(sq=sq, sk=75, d=d)
+    grads = sm90_bwd.backward(q, k, v, out, dout, lse, d**-0.5, False, deterministic=deterministic)
+    assert keys[-1][11] == tile and launches[-1]["lse2"].shape[-1] == padded
+    assert torch.isinf(launches[-1]["lse2"][..., sq:]).all()
+    if deterministic:
+        assert launches[-1]["sem"].shape[-1] == -(-sq // tile)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*leaves, d**-0.5, False, dtype=torch.float64)
+    for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+    return q, k, v, out, dout, lse
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_d64_query_tile_128_pads_whole_blocks(kernels, monkeypatch, deterministic):
     # D64_TILE_M = 128 (FA4's d64 tile): the LSE/D rows padded to 128-row blocks (+inf, 0 past
     # s_q), the semaphores count 128-row blocks, the compile key carries the tile; d128 and
     # softcap keep 64. The gradients as before.
     monkeypatch.setattr(sm90_bwd, "D64_TILE_M", 128)
-    launches, keys = kernels
-    q, k, v, out, dout, lse = inputs(sq=130, sk=75)  # (non-causal out and lse)
-    grads = sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False, deterministic=deterministic)
-    assert keys[-1][11] == 128 and launches[-1]["lse2"].shape[-1] == 256
-    assert torch.isinf(launches[-1]["lse2"][..., 130:]).all()
-    if deterministic:
-        assert launches[-1]["sem"].shape[-1] == 2  # ceil(130 / 128)
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    o, _ = reference(*leaves, 64**-0.5, False, dtype=torch.float64)
-    for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
-        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+    _, keys = kernels
+    q, k, v, out, dout, lse = check_whole_query_blocks(kernels, 64, 130, 128, 256, deterministic)
     sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False, softcap=5.0)
     assert keys[-1][11] == 64  # softcap keeps 64 (its kernel spills at 128)
     q128, k128, v128, out128, dout128, lse128 = inputs(d=128)
@@ -629,17 +638,9 @@ def test_d128_query_tile_80_pads_whole_blocks(kernels, monkeypatch, deterministi
     # then to a multiple of 64 (the strides' divisibility), +inf past s_q, the semaphores count
     # 80-row blocks; causal, a window or softcap keep 64. The gradients as before.
     monkeypatch.setattr(sm90_bwd, "D128_TILE_M", 80)
-    launches, keys = kernels
-    q, k, v, out, dout, lse = inputs(sq=170, sk=75, d=128)
-    grads = sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, False, deterministic=deterministic)
-    assert keys[-1][11] == 80 and launches[-1]["lse2"].shape[-1] == 256  # 3 x 80 = 240, to 64s
-    assert torch.isinf(launches[-1]["lse2"][..., 170:]).all()
-    if deterministic:
-        assert launches[-1]["sem"].shape[-1] == 3  # ceil(170 / 80)
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    o, _ = reference(*leaves, 128**-0.5, False, dtype=torch.float64)
-    for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
-        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+    _, keys = kernels
+    # 3 x 80 = 240 rows, to 64s: 256
+    q, k, v, out, dout, lse = check_whole_query_blocks(kernels, 128, 170, 80, 256, deterministic)
     c_out, c_lse = reference(q, k, v, 128**-0.5, True)
     sm90_bwd.backward(q, k, v, c_out.to(q.dtype), dout, c_lse, 128**-0.5, True)
     assert keys[-1][11] == 64  # causal keeps 64

@@ -9,10 +9,11 @@ import argparse
 import dataclasses
 import os
 import sys
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import pytest
 import torch
+from bench_cpu_run import execute_on_cpu
 
 from hopper_fmha.bench import cli as bench_cli
 from hopper_fmha.bench import plots, presets, registry, report, runner, timing
@@ -379,17 +380,10 @@ def test_whole_backward_run_on_cpu(tmp_path, monkeypatch):
         dataclasses.replace(p, **shrink) for p in presets.backward().problems if p.head_dim == 64
     )
     assert [(p.causal, p.passes) for p in problems] == [(c, x) for c in (False, True) for x in (BWD, FWD_BWD)]
-    args = SimpleNamespace(no_graph=False, seed=0, tag=None, out=str(tmp_path), profile=False, no_plot=True)
-    code = bench_cli.execute(
-        args, "backward", problems, backends, timing.TimingSettings.quick(), device="cpu",
-        timer=timing.CpuTimer(), reference=reference,
-    )  # fmt: skip
-    assert code == 0  # ours correct everywhere; the failing and wrong peers are reported, not fatal
+    # Exit 0: ours correct everywhere; the failing and wrong peers are reported, not fatal.
+    results, recs, json_path = execute_on_cpu(tmp_path, "backward", problems, backends, graph=True)
     assert seen and all(seen)  # ours ran on inputs that require grad, in grad mode
-    (json_path,) = tmp_path.glob("backward-*.json")
-    results = report.load_results(json_path)
     assert results["complete"] and len(results["records"]) == len(problems) * len(backends)
-    recs = {(r["backend"], Problem.from_dict(r["problem"])): r for r in results["records"]}
     for p in problems:
         forward = dataclasses.replace(p, passes=FWD).flops
         for name in ("hopper-fmha:auto", "fa4", "sdpa-flash"):

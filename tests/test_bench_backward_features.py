@@ -8,10 +8,11 @@ sequence, and a whole run with stand-in backends and its report."""
 import argparse
 import dataclasses
 import sys
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import pytest
 import torch
+from bench_cpu_run import execute_on_cpu
 
 from hopper_fmha.bench import cli as bench_cli
 from hopper_fmha.bench import presets, registry, report, runner, timing
@@ -369,12 +370,7 @@ def test_whole_backward_features_run_on_cpu(tmp_path, monkeypatch):
     problems = tuple(_cpu_size(p) for p in presets.backward_features().problems)
     assert len(set(problems)) == len(problems) == 20
     assert problems[6].window_size == (10, 0) and problems[6].flops < problems[4].flops
-    args = SimpleNamespace(no_graph=True, seed=0, tag=None, out=str(tmp_path), profile=False, no_plot=True)
-    code = bench_cli.execute(
-        args, "backward-features", problems, backends, timing.TimingSettings.quick(), device="cpu",
-        timer=timing.CpuTimer(), reference=reference,
-    )  # fmt: skip
-    assert code == 0
+    results, recs, json_path = execute_on_cpu(tmp_path, "backward-features", problems, backends)
     # Ours ran through autograd on every problem: varlen calls with cu_seqlens, dense ones with
     # the features, +det with deterministic=True.
     assert all(needs_grad for _, needs_grad, *_ in calls)
@@ -383,10 +379,7 @@ def test_whole_backward_features_run_on_cpu(tmp_path, monkeypatch):
     assert {"window_size", "softcap", "learnable_sink"} <= set().union(
         *(c[2] for c in calls if c[0] == "dense")
     )
-    (json_path,) = tmp_path.glob("backward-features-*.json")
-    results = report.load_results(json_path)
     assert results["complete"] and len(results["records"]) == len(problems) * len(backends)
-    recs = {(r["backend"], Problem.from_dict(r["problem"])): r for r in results["records"]}
     for p in problems:
         forward = dataclasses.replace(p, passes=FWD).flops
         for name in ("hopper-fmha:auto", "hopper-fmha:auto+det", "fa4"):

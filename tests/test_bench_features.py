@@ -10,10 +10,11 @@ import inspect
 import json
 import math
 import sys
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import pytest
 import torch
+from bench_cpu_run import execute_on_cpu
 
 from hopper_fmha.bench import cli as bench_cli
 from hopper_fmha.bench import presets, registry, report, runner, timing
@@ -463,17 +464,9 @@ def test_whole_features_run_on_cpu(tmp_path, monkeypatch):
     ]
     problems = tuple(_cpu_size(p) for p in presets.features().problems)
     assert problems[1].window_size == (5, 0) and problems[1].flops < problems[0].flops
-    args = SimpleNamespace(no_graph=True, seed=0, tag=None, out=str(tmp_path), profile=False, no_plot=True)
-    code = bench_cli.execute(
-        args, "features", problems, backends, timing.TimingSettings.quick(), device="cpu",
-        timer=timing.CpuTimer(), reference=reference,
-    )  # fmt: skip
-    assert code == 0
+    results, recs, json_path = execute_on_cpu(tmp_path, "features", problems, backends)
     assert {"window_size", "softcap", "learnable_sink"} <= set().union(*seen)
-    (json_path,) = tmp_path.glob("features-*.json")
-    results = report.load_results(json_path)
     assert results["complete"] and len(results["records"]) == 3 * len(problems)
-    recs = {(r["backend"], Problem.from_dict(r["problem"])): r for r in results["records"]}
     for p in problems:
         rec = recs[("hopper-fmha:auto", p)]
         assert rec["status"] == "ok" and rec["check"]["passed"] and rec["flops"] == p.flops, (p.label(), rec)

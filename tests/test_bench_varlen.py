@@ -4,10 +4,11 @@ the backends that skip, the varlen table, and a whole run with fake backends."""
 
 import json
 import sys
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 
 import pytest
 import torch
+from bench_cpu_run import execute_on_cpu
 
 from hopper_fmha.bench import cli as bench_cli
 from hopper_fmha.bench import presets, registry, report, runner, timing
@@ -309,14 +310,7 @@ def test_whole_varlen_run_on_cpu(tmp_path, monkeypatch):
     )  # fmt: skip
     backends = [ours, registry.REGISTRY["fa4"], registry.REGISTRY[PADDED], registry.REGISTRY["sdpa-flash"]]
     problems = (SMALL, presets.dense_twin(SMALL))
-    args = SimpleNamespace(no_graph=True, seed=0, tag=None, out=str(tmp_path), profile=False, no_plot=True)
-    code = bench_cli.execute(
-        args, "varlen", problems, backends, timing.TimingSettings.quick(), device="cpu",
-        timer=timing.CpuTimer(), reference=reference,
-    )  # fmt: skip
-    assert code == 0
-    (json_path,) = tmp_path.glob("varlen-*.json")
-    results = report.load_results(json_path)
+    results, _, json_path = execute_on_cpu(tmp_path, "varlen", problems, backends)
     status = {(r["backend"], "seqlens" in r["problem"]): r["status"] for r in results["records"]}
     assert status[("hopper-fmha:fake", True)] == status[(PADDED, True)] == "ok"
     assert status[("hopper-fmha:fake", False)] == "ok"

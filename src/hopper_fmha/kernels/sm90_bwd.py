@@ -512,21 +512,17 @@ def rotates(
     return -(-seqlen_k // 128) <= _sm_count(device)
 
 
-_SM_COUNTS: dict = {}
 # The SM count `rotates` assumes for tensors off the GPU (the host tests' stand-in kernels).
 HOST_SM_COUNT = 132
 
 
 def _sm_count(device) -> int:
-    import torch
-
-    if torch.device(device).type != "cuda":
+    """The SM count of `device` (a torch.device): `kernels._sm_count`'s cached one on a GPU."""
+    if device.type != "cuda":
         return HOST_SM_COUNT
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    from . import _sm_count as device_sm_count
+
+    return device_sm_count(device.index)  # (a tensor's CUDA device always has its index)
 
 
 def padded_starts(cu_seqlens_q, tile_m: int):

@@ -242,38 +242,25 @@ class BwdWsSm90(BwdSm90):
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]), dq_box
         )
 
-        @cute.struct
-        class SharedStorage:
-            mbar_KV: cute.struct.MemRange[cutlass.Int64, 1]
-            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]  # full + empty per stage
-            mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * STAGES], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * STAGES], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 1024]
+        def buffer(dtype, size, align=1024):
+            return cute.struct.Align[cute.struct.MemRange[dtype, size], align]
 
-        # tile_m 80: 226.3 KB of the 227 allowed, with the rows last so that sdQ's 1 KB
-        # alignment costs nothing (the order above would need 227.0).
-        @cute.struct
-        class SharedStorage80:
-            mbar_KV: cute.struct.MemRange[cutlass.Int64, 1]
-            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
-            mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(dq_layout)], 1024]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * STAGES], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * STAGES], 128]
-
-        if const_expr(self.dq_swapped):
-            SharedStorage = SharedStorage80
+        fields = {
+            "mbar_KV": cute.struct.MemRange[cutlass.Int64, 1],
+            "mbar_Q": cute.struct.MemRange[cutlass.Int64, 2 * STAGES],  # full + empty per stage
+            "mbar_dO": cute.struct.MemRange[cutlass.Int64, 2 * STAGES],
+            "sK": buffer(self.dtype, cute.cosize(kv_layout)),
+            "sV": buffer(self.dtype, cute.cosize(kv_layout)),
+            "sQ": buffer(self.dtype, cute.cosize(q_layout)),
+            "sdO": buffer(self.dtype, cute.cosize(q_layout)),
+            "sdS": buffer(self.dtype, cute.cosize(ds_layout)),
+        }
+        rows = {"sLSE": buffer(Float32, tile_m * STAGES, 128), "sD": buffer(Float32, tile_m * STAGES, 128)}
+        dq = {"sdQ": buffer(Float32, cute.cosize(dq_layout))}
+        # tile_m 80: 226.3 KB of the 227 allowed with the rows last, so that sdQ's 1 KB alignment
+        # costs nothing (rows first, as the other tiles have them, would need 227.0).
+        fields.update({**dq, **rows} if self.dq_swapped else {**rows, **dq})
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         # Key blocks x q heads x batch (varlen: of the longest key sequence x heads x sequences).
         grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE_N), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
