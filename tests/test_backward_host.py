@@ -664,3 +664,17 @@ def test_varlen_query_tile_80_starts_on_whole_blocks(varlen_kernels, monkeypatch
     o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=128**-0.5, dtype=torch.float64)
     for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "head_dim, tile_m", [(64, 64), (64, 128), (128, 64), (128, 80)], ids=["d64", "d64-128", "d128", "d128-80"]
+)
+def test_row_stages_start_on_tma_alignment(head_dim, tile_m):
+    # Each stage of sLSE / sD is the destination of a TMA load, which must start 128-byte aligned
+    # in shared memory; tile_m 80's 320-byte stages, back to back, faulted on the GPU ("misaligned
+    # address" from the second query block on).
+    import cutlass
+
+    kernel = BwdWsSm90(cutlass.BFloat16, head_dim, False, tile_m=tile_m)
+    assert kernel.rows_stride >= tile_m
+    assert (kernel.rows_stride * 4) % 128 == 0

@@ -158,6 +158,10 @@ class BwdWsSm90(BwdSm90):
         self.dq_tile = (TILE_M, head_dim) if self.dq_by_rows else (tile_m, head_dim // 2)
         # The dQ GEMM's tile per warpgroup (its M, N).
         self.dq_mma_tile = (head_dim // 2, tile_m) if self.dq_swapped else self.dq_tile
+        # A stage of sLSE / sD is a TMA load's destination, which must start 128-byte aligned:
+        # stages sit 32 floats apart at least (tile_m 80's 320-byte stages faulted on the GPU with
+        # "misaligned address" at the second query block).
+        self.rows_stride = -(-tile_m // 32) * 32
         # Query tiles of tile_m rows, key tiles of the CTA's 128 keys.
         self.mask = Mask(tile_m, TILE_N, causal, window_left, window_right)
         # Deterministic turns descend from a query block's last key block when rows have a right
@@ -255,7 +259,8 @@ class BwdWsSm90(BwdSm90):
             "sdO": buffer(self.dtype, cute.cosize(q_layout)),
             "sdS": buffer(self.dtype, cute.cosize(ds_layout)),
         }
-        rows = {"sLSE": buffer(Float32, tile_m * STAGES, 128), "sD": buffer(Float32, tile_m * STAGES, 128)}
+        rows_size = self.rows_stride * (STAGES - 1) + tile_m
+        rows = {"sLSE": buffer(Float32, rows_size, 128), "sD": buffer(Float32, rows_size, 128)}
         dq = {"sdQ": buffer(Float32, cute.cosize(dq_layout))}
         # tile_m 80: 226.3 KB of the 227 allowed with the rows last, so that sdQ's 1 KB alignment
         # costs nothing (rows first, as the other tiles have them, would need 227.0).
@@ -361,7 +366,7 @@ class BwdWsSm90(BwdSm90):
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sdO = storage.sdO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
-        rows_layout = cute.make_layout((self.tile_m, STAGES))
+        rows_layout = cute.make_layout((self.tile_m, STAGES), stride=(1, self.rows_stride))
         sLSE, sD = storage.sLSE.get_tensor(rows_layout), storage.sD.get_tensor(rows_layout)
         sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
 
