@@ -547,8 +547,8 @@ def check_whole_query_blocks(kernels, d, sq, tile, padded, deterministic):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_d64_query_tile_128_pads_whole_blocks(kernels, monkeypatch, deterministic):
     # D64_TILE_M = 128 (FA4's d64 tile): the LSE/D rows padded to 128-row blocks (+inf, 0 past
-    # s_q), the semaphores count 128-row blocks, the compile key carries the tile; d128 and
-    # softcap keep 64. The gradients as before.
+    # s_q), the semaphores count 128-row blocks, the compile key carries the tile; d128 takes
+    # its own tile, softcap keeps 64. The gradients as before.
     monkeypatch.setattr(sm90_bwd, "D64_TILE_M", 128)
     _, keys = kernels
     q, k, v, out, dout, lse = check_whole_query_blocks(kernels, 64, 130, 128, 256, deterministic)
@@ -556,7 +556,7 @@ def test_d64_query_tile_128_pads_whole_blocks(kernels, monkeypatch, deterministi
     assert keys[-1][11] == 64  # softcap keeps 64 (its kernel spills at 128)
     q128, k128, v128, out128, dout128, lse128 = inputs(d=128)
     sm90_bwd.backward(q128, k128, v128, out128, dout128, lse128, 128**-0.5, False)
-    assert keys[-1][11] == 64
+    assert keys[-1][11] == sm90_bwd.D128_TILE_M != 128  # d128 takes its own switch's tile
 
 
 def test_varlen_query_tile_128_pads_each_sequence_by_128(varlen_kernels, monkeypatch):

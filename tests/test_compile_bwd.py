@@ -224,8 +224,8 @@ def test_rotated_deterministic_walk_compiles(d, tile_m):
     assert all("MEMBAR.ALL.GPU" in t and "UTMAREDG.4D.ADD" in t for t in texts)
 
 
-# d128 without causal or window with 80-query steps (`sm90_bwd.D128_TILE_M = 80`, FA4's tile; off
-# by default, not yet run on a GPU): (dtype, deterministic, mha, dkv_atomic, varlen, rotate).
+# d128 without causal or window with 80-query steps (`sm90_bwd.D128_TILE_M = 80`, FA4's tile, the
+# default): (dtype, deterministic, mha, dkv_atomic, varlen, rotate).
 TILE_80_CONFIGS = [
     ("bfloat16", False, False, True, False, False),
     ("bfloat16", True, False, False, False, True),

@@ -493,9 +493,10 @@ _compiled: dict = {}
 # --tile-m 64 128`, H200 2026-11-27). Not with softcap, whose kernel spills 232 bytes at 128.
 D64_TILE_M = 128
 # v2's query tile at d128 without causal, window or softcap: 64, or 80 (FA4's d128 non-causal
-# tile, dQ as dQ^T = K^T dS^T: built in session 23, compile tier only, not yet run on a GPU; 80
-# is for measuring it, `bwd_profile --d 128 --tile-m 64 80`).
-D128_TILE_M = 64
+# tile, dQ as dQ^T = K^T dS^T). 80 is the default: bf16 B4 N4096 H16 485 / 488 -> 501 / 493
+# TFLOP/s, deterministic 337 / 328 -> 356 / 353 (`bwd_profile --d 128 --tile-m 64 80 64 80`, H200
+# 2026-11-27), far under the 560-600 predicted (NOTES "v24").
+D128_TILE_M = 80
 
 
 def rotates(

@@ -50,8 +50,8 @@ dQacc) are padded per sequence (`padded_rows`).
 tile_m (queries per step) is 64, or 128 at d64 (FA4's d64 tile, the default there: 16% faster
 non-causal, 9% causal, H200 2026-11-27; it spills 32-56 B, loop-invariant addresses): S^T
 of 64 keys x 128 queries per warpgroup, and dQ split by query rows, each warpgroup 64 rows x d.
-Or 80 at d128 without causal, window or softcap (FA4's tile there; off by default,
-`sm90_bwd.D128_TILE_M`, compile tier only): S^T of 64 keys x 80 queries, and dQ^T = K^T dS^T
+Or 80 at d128 without causal, window or softcap (FA4's tile there, the default since session 24:
+1-8% faster, `sm90_bwd.D128_TILE_M`): S^T of 64 keys x 80 queries, and dQ^T = K^T dS^T
 per warpgroup for its half of d (WGMMA's M is 64 rows a warpgroup, so dQ itself cannot have 80),
 staged transposed into the (80, d / 2) TMA box; shared memory 226.3 KB of 227.
 
