@@ -126,3 +126,10 @@ def test_paged_cache(hopper_gpu, dtype, page_size, capacity, groups, num_splits)
     assert torch.equal(k_pages, ref_k) and torch.equal(v_pages, ref_v)
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=0)
+
+
+# d = 96 runs 192-row tiles (3 consumer warpgroups) since session 24.
+@pytest.mark.parametrize("num_splits", [1, 0], ids=["one", "auto"])
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (8, 0)], ids=["1+1", "8"])
+def test_dense_cache_at_d96(hopper_gpu, seqlen_q, seqlen_new, num_splits):
+    test_dense_cache(hopper_gpu, torch.bfloat16, 96, seqlen_q, seqlen_new, list(GROUPS)[-1], num_splits)

@@ -165,3 +165,10 @@ def test_max_seqlen_too_small_and_offsets_past_the_end_stay_in_bounds(hopper_gpu
     assert torch.isnan(out_buf[total:]).all() and torch.isnan(lse_buf[:, total:]).all()
     # The first tile of each sequence is computed (rows past max_seqlen_q, at tile granularity, not).
     assert torch.isfinite(out[:64]).all() and torch.isfinite(out[200:264]).all()
+
+
+# d = 96 runs 192-row tiles (3 consumer warpgroups) since session 24: every case, mixed lengths.
+@pytest.mark.parametrize("name,causal,window,softcap,with_sink,with_used", CASES, ids=[c[0] for c in CASES])
+def test_varlen_at_d96(hopper_gpu, name, causal, window, softcap, with_sink, with_used):
+    assert config.select_config(96, "ws").tile_m == 192
+    test_varlen(hopper_gpu, torch.bfloat16, 96, name, causal, window, softcap, with_sink, with_used, "mixed", "gqa")

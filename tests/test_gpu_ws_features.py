@@ -145,3 +145,13 @@ def test_flash_attn_func_score_features(
     assert_close_to_reference(
         q, k, v, scale, causal, out_only, lse, window=window, softcap=softcap, sink=sink32
     )
+
+
+# d = 96 (and d = 80 on its kernel) runs 3 consumer warpgroups of 64 rows x 112 keys since session
+# 24, the table's only 192-row tile besides d = 64's: every case on a few shapes.
+@pytest.mark.parametrize("seqlens", [(3, 3), (239, 1), (1023, 1024)], ids=["3x3", "239x1", "1023x1024"])
+@pytest.mark.parametrize("name,causal,window_kind,softcap,with_sink", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("d", [96, 80])
+def test_ws_features_at_d96(hopper_gpu, d, name, causal, window_kind, softcap, with_sink, seqlens):
+    assert config.select_config(d, "ws").tile_m == 192
+    test_ws_features(hopper_gpu, torch.bfloat16, d, name, causal, window_kind, softcap, with_sink, seqlens, "gqa")

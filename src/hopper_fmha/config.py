@@ -490,9 +490,12 @@ WS_TILE_TABLE = {
         release_q_at_qk=True,
     ),
 }
-# d = 96 runs d = 128's choice (O and S take 48 + 64 registers, far inside the budget); not yet
-# measured (NOTES "v18").
-WS_TILE_TABLE[96] = WS_TILE_TABLE[128]
+# d = 96: 3 consumer warpgroups of 64 rows x 112 keys (FA3 takes 192 x 144 here), d = 128's
+# switches otherwise. Sustained, bf16 B4 N4096 H16, ms per call (FA4 0.7521 / causal 0.4444;
+# `scripts/sustained.py`, H200 2026-11-27, NOTES "v24"): 192x112 0.7073 / 0.4232, 192x96 0.7356 /
+# 0.4283, 128x128 (d = 128's tile, the choice before) 0.7763 / 0.4377, 128x160-192 0.752-0.755 /
+# 0.438-0.444. 192 x 128 spills (96 bytes): O 48 + S 64 + P 32 registers and the rest past 160.
+WS_TILE_TABLE[96] = replace(WS_TILE_TABLE[128], tile=(192, 112))
 
 
 # Kernels whose v head dim differs from q's, by (head_dim, head_dim_v); not yet measured either.
