@@ -55,7 +55,7 @@ def main():
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--versions", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--probes", nargs="*", default=[])
-    parser.add_argument("--ncu", action="store_true", help="one call of the default version, no timing")
+    parser.add_argument("--ncu", action="store_true", help="one call, no timing (v2 at the first --tile-m)")
     parser.add_argument(
         "--tile-m",
         type=int,
@@ -74,7 +74,9 @@ def main():
             q, k, v, out, dout, lse, scale, args.causal, deterministic=args.deterministic, version=version
         )
 
-    if args.ncu:
+    if args.ncu:  # the default kernel, or v2 at the first --tile-m
+        if args.tile_m:
+            setattr(sm90_bwd, "D128_TILE_M" if args.d == 128 else "D64_TILE_M", args.tile_m[0])
         call(None)
         torch.cuda.synchronize()
         return

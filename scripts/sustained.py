@@ -26,7 +26,7 @@ then the named `KernelConfig` switches (`config.WS_SWITCHES`) changed, e.g. `ws:
 `ws@128x64:num_stages=3,mma_rowsum=1`. Every backend's output on the first input set is checked
 against the fp32 reference by the bench's rule first (`--no-check` skips it).
 
-Problems: `--headdim`, `--seqlen`, `--causal no|yes|both`, `--dtype`; B = 16384 / N and
+Problems: `--headdim` (and `--headdim-v`), `--seqlen`, `--causal no|yes|both`, `--dtype`; B = 16384 / N and
 H = 2048 / d unless `--batch` / `--heads` are given, as in the bench's sweep.
 
 On the GPU machine, from the project root:
@@ -94,21 +94,25 @@ def ws_backend(spec: str):
         from hopper_fmha import config, kernels
 
         d = p.head_dim
+        dv = p.head_dim_v if p.head_dim_v not in (None, d) else None
         try:
-            base = config.select_config(d, "ws", tile or config.auto_tile("ws", d, p.causal, p.seqlen_k))
+            base = config.select_config(d, "ws", tile or config.auto_tile("ws", d, p.causal, p.seqlen_k), dv)
             launched = config.launch_config(base, p.causal, p.seqlen_q, exact_lse=False)  # out only
             cfg = dataclasses.replace(launched, **switches)
             if "split_o" not in switches:  # follows the tile, stages and row sums, as in select_config
-                split = config.ws_split_o(d, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.mma_rowsum)
+                kd, kdv = cfg.kernel_dims
+                split = config.ws_split_o(
+                    kd, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.mma_rowsum, head_dim_v=kdv
+                )
                 cfg = dataclasses.replace(cfg, split_o=split)
-            config.check_fits_ws(d, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.mma_rowsum)
+            config.check_fits_ws(d, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.mma_rowsum, head_dim_v=dv)
         except ValueError as e:
             raise BackendSkip(str(e), status="rejected") from e
         fn = kernels.get_kernel(kernels.KernelKey.from_config(p.dtype, p.causal, cfg))
         scale = config.default_softmax_scale(d)
 
         def call():  # allocates its outputs as flash_attn_func does (inside a graph: from its pool)
-            out = torch.empty_like(q)
+            out = q.new_empty(*q.shape[:-1], v.shape[-1])
             lse = torch.empty(p.batch, p.heads, p.seqlen_q, device=q.device, dtype=torch.float32)
             kernels.launch(fn, q, k, v, out, lse, scale, p.causal, ws=True)
             return out
@@ -208,9 +212,10 @@ def problems(args) -> list:
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     out = []
     for causal in causals:
-        out += custom_problems(
+        found = custom_problems(
             args.batch, args.seqlen, None, args.heads, None, args.headdim, causal, args.dtype
         )
+        out += [dataclasses.replace(p, head_dim_v=args.headdim_v) for p in found] if args.headdim_v else found
     return sorted(out, key=lambda p: (p.dtype, p.head_dim, p.seqlen_q, p.causal))
 
 
@@ -294,6 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", nargs="+", default=["fp16"], help="fp16 and/or bf16")
     ap.add_argument("--batch", type=int, default=None, help="default 16384 / seqlen")
     ap.add_argument("--heads", type=int, default=None, help="default 2048 / headdim")
+    ap.add_argument("--headdim-v", type=int, default=None, help="v's head dim (default: --headdim)")
     ap.add_argument("--passes", type=int, default=2, help="timed passes per backend (default 2)")
     ap.add_argument(
         "--preheat", type=float, default=1.0, help="untimed seconds of the first backend per problem (1.0)"
