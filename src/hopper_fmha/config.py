@@ -498,12 +498,15 @@ WS_TILE_TABLE = {
 WS_TILE_TABLE[96] = replace(WS_TILE_TABLE[128], tile=(192, 112))
 
 
-# Kernels whose v head dim differs from q's, by (head_dim, head_dim_v); not yet measured either.
-# DeepSeek's 192/128 at 128x112, which leaves room for O's own buffer (at 128x128, FlashAttention-4's
-# tile, O would have to go out through Q's); O is as small as at d = 128: no early rescale.
+# Kernels whose v head dim differs from q's, by (head_dim, head_dim_v). DeepSeek's 192/128 at
+# 128x128 (FlashAttention-4's tile; O goes out through Q's buffer); O is as small as at d = 128:
+# no early rescale. Sustained, bf16 B4 N4096 H16, ms per call, non-causal / causal (FA4 1.0829 /
+# 0.5831; `scripts/sustained.py --headdim 192 --headdim-v 128`, H200 2026-11-27, NOTES "v24"):
+# 128x128 1.0348 / 0.5855, 128x112 (the choice before, O in its own buffer) 1.0382 / 0.5985,
+# 128x96 1.0515 / 0.5920; at 128x112 pingpong 1.0473 / 0.5844, causal_trim 1.0412 / 0.5911.
 WS_TILE_TABLE_DV = {
     (192, 128): WsChoice(
-        (128, 112),
+        (128, 128),
         num_stages=2,
         intra_wg_overlap=True,
         pingpong=False,
