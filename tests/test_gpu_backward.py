@@ -256,7 +256,8 @@ def test_d64_query_tile_128(hopper_gpu, monkeypatch, dtype, deterministic, causa
 
 
 # ---- d128 non-causal with 80-query steps (`sm90_bwd.D128_TILE_M = 80`, FA4's tile, the default;
-# set here so the cases stay if the default changes): dQ^T = K^T dS^T. Masked problems (causal, window) keep 64: those run once. ----
+# set here so the cases stay if the default changes): dQ^T = K^T dS^T. Masked problems (causal,
+# window) keep 64: those run once. ----
 
 TILE_80_SEQLENS = [(1, 1), (3, 3), (79, 81), (80, 217), (161, 160), (239, 1), (799, 3), (1023, 1024)]
 

@@ -171,4 +171,5 @@ def test_max_seqlen_too_small_and_offsets_past_the_end_stay_in_bounds(hopper_gpu
 @pytest.mark.parametrize("name,causal,window,softcap,with_sink,with_used", CASES, ids=[c[0] for c in CASES])
 def test_varlen_at_d96(hopper_gpu, name, causal, window, softcap, with_sink, with_used):
     assert config.select_config(96, "ws").tile_m == 192
-    test_varlen(hopper_gpu, torch.bfloat16, 96, name, causal, window, softcap, with_sink, with_used, "mixed", "gqa")
+    args = (name, causal, window, softcap, with_sink, with_used, "mixed", "gqa")
+    test_varlen(hopper_gpu, torch.bfloat16, 96, *args)

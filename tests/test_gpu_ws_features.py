@@ -154,4 +154,5 @@ def test_flash_attn_func_score_features(
 @pytest.mark.parametrize("d", [96, 80])
 def test_ws_features_at_d96(hopper_gpu, d, name, causal, window_kind, softcap, with_sink, seqlens):
     assert config.select_config(d, "ws").tile_m == 192
-    test_ws_features(hopper_gpu, torch.bfloat16, d, name, causal, window_kind, softcap, with_sink, seqlens, "gqa")
+    args = (name, causal, window_kind, softcap, with_sink, seqlens, "gqa")
+    test_ws_features(hopper_gpu, torch.bfloat16, d, *args)
