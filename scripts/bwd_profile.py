@@ -6,6 +6,7 @@ runs one call only, for `ncu --kernel-name regex:BwdWsSm90`.
     python scripts/bwd_profile.py --d 128 --heads 16 [--causal] [--deterministic] [--probes nodq]
     python scripts/bwd_profile.py --d 64 --heads 32 --versions 2 --tile-m 64 128  # d64's query tile
     python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --tile-m 64 80  # d128's
+    python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --tile-m 64 80 --dkv-tma  # dK, dV stores
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def main():
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--versions", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--probes", nargs="*", default=[])
+    parser.add_argument(
+        "--dkv-tma",
+        type=int,
+        nargs="*",
+        help="the query tiles whose MHA kernels store dK, dV by TMA (sm90_bwd_ws.DKV_TMA_TILES; empty: none)",
+    )
     parser.add_argument("--ncu", action="store_true", help="one call, no timing (v2 at the first --tile-m)")
     parser.add_argument(
         "--tile-m",
@@ -65,6 +72,8 @@ def main():
         "D128_TILE_M; 80 without --causal only)",
     )
     args = parser.parse_args()
+    if args.dkv_tma is not None:
+        sm90_bwd_ws.DKV_TMA_TILES = tuple(args.dkv_tma)
     q, k, v, out, dout, lse = inputs(args)
     scale = args.d**-0.5
     fmul = 2.5 * 4 * args.batch * args.heads * args.seqlen**2 * args.d / (2 if args.causal else 1)

@@ -145,6 +145,33 @@ def test_mha_stores_dk_dv_in_the_inputs_type(version):
         assert stack_bytes(cubin) == 0
         texts[mha] = sass_or_skip(cubin)
     assert "STG.E.U16" in texts[True] and "STG.E.U16" not in texts[False]
+    assert "UTMASTG" not in texts[True]  # `sm90_bwd_ws.DKV_TMA_TILES` is empty
+
+
+@pytest.mark.parametrize(
+    "d, causal, tile_m, stack",
+    [(128, True, 64, 0), (64, False, 128, 40), (128, False, 80, 40)],
+    ids=["64", "128", "80"],
+)
+def test_mha_dense_dk_dv_by_tma(monkeypatch, d, causal, tile_m, stack):
+    # With `sm90_bwd_ws.DKV_TMA_TILES` naming the tile (none by default, not yet run on a GPU): dK,
+    # dV through sK / sV and a TMA store each, two boxes of 64 columns per tensor at d128 (the
+    # 128-byte swizzle's span), no 16-bit stores from registers; GQA's fp32 buffers and packed
+    # varlen (a ragged key-side view would be needed) keep their stores from registers. Stack: d64
+    # tile 128 spills 40 bytes with or without it; tile 80 40 instead of 24.
+    from hopper_fmha.kernels import sm90_bwd_ws
+
+    monkeypatch.setattr(sm90_bwd_ws, "DKV_TMA_TILES", (tile_m,))
+    mha = bwd_cubin("bfloat16", d, causal, False, 2, True, False, False, False, False, False, tile_m)
+    assert stack_bytes(mha) == stack
+    text = sass_or_skip(mha)
+    assert text.count("UTMASTG") == 2 * (d * 2 // 128) and "STG.E.U16" not in text
+    gqa = sass_or_skip(
+        bwd_cubin("bfloat16", d, causal, False, 2, False, False, False, False, False, False, tile_m)
+    )
+    assert "UTMASTG" not in gqa
+    packed = bwd_cubin("bfloat16", d, causal, False, 2, True, False, False, False, False, True, tile_m)
+    assert "UTMASTG" not in sass_or_skip(packed)
 
 
 @pytest.mark.parametrize(

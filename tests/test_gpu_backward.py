@@ -299,6 +299,20 @@ def test_d128_query_tile_80(hopper_gpu, monkeypatch, dtype, deterministic, varle
     check_grads([g.view(2, -1, *g.shape[1:]) for g in ours], ref, lowp, dtype)
 
 
+# dK, dV through shared memory and TMA stores (MHA, dense; the default at tiles 64 and 128, run by
+# every dense MHA case above): at tile 80 too when `sm90_bwd_ws.DKV_TMA_TILES` names it, built afresh.
+@pytest.mark.parametrize(
+    "seqlens", [(3, 3), (239, 1), (799, 3), (1023, 1024)], ids=["3x3", "239x1", "799x3", "1023x1024"]
+)
+@pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
+def test_d128_query_tile_80_dkv_by_tma(hopper_gpu, monkeypatch, dtype, deterministic, seqlens):
+    from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
+
+    monkeypatch.setattr(sm90_bwd_ws, "DKV_TMA_TILES", (64, 80, 128))
+    monkeypatch.setattr(sm90_bwd, "_compiled", {})
+    test_d128_query_tile_80(hopper_gpu, monkeypatch, dtype, deterministic, False, seqlens, "mha")
+
+
 # ---- head dims other than 64 and 128: the next kernel up on zero-padded copies ----
 
 PADDED_DIMS = [(32, 32), (80, 80), (96, 96), (96, 64), (128, 96), (40, 24)]

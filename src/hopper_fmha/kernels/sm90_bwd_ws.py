@@ -96,6 +96,14 @@ REGISTERS = (24, 240)
 BARRIER_DS = 1  # named barrier: both consumer warpgroups' dS^T rows are in sdS
 BARRIER_TURN = 2  # deterministic mode: the CTA's turn to add dQ has come / its adds are done
 BARRIER_DQ = 3  # + warpgroup: its dQ buffer is free / written (TMA reduce-add of dQ)
+# The query tiles whose MHA dense kernels store dK, dV through shared memory and TMA (`dkv_by_tma`;
+# the others, 2-byte stores from registers, 4x the L2 sectors the data needs: ncu, NOTES "v24").
+# None yet: built in session 24 without a GPU (compile tier only; at tiles 64 and 128 it spills
+# nothing more, at 80 40 bytes instead of 24, in the main loop). To measure:
+# `bwd_profile.py --dkv-tma 64 80 128`; GPU test `test_gpu_backward.py -k dkv_by_tma`. Read when
+# a kernel is built (`sm90_bwd._compiled` keeps the kernels built before a change).
+DKV_TMA_TILES: tuple[int, ...] = ()
+BARRIER_DKV = 5  # both consumer warpgroups: sK, sV free for dK, dV / dK, dV written (`store_dkdv_tma`)
 
 
 class BwdWsSm90(BwdSm90):
@@ -168,6 +176,7 @@ class BwdWsSm90(BwdSm90):
         # limit (the CTAs of later key blocks reach the block first), and CTAs launch in that order.
         self.descending = causal or window_right
         self.rotate = rotate
+        self.dkv_tma = tile_m in DKV_TMA_TILES
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -246,6 +255,14 @@ class BwdWsSm90(BwdSm90):
             cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]), dq_box
         )
 
+        # dK, dV in the inputs' type at q heads (MHA, dense): through sK / sV (free once the last
+        # block's GEMMs are done) and a TMA store each, instead of 2-byte stores from registers.
+        tma_atom_dK = tma_atom_dV = None
+        if const_expr(self.dkv_by_tma(mdK)):
+            store_op = cpasync.CopyBulkTensorTileS2GOp()
+            tma_atom_dK, mdK = cpasync.make_tiled_tma_atom(store_op, mdK, kv_layout, (TILE_N, d))
+            tma_atom_dV, mdV = cpasync.make_tiled_tma_atom(store_op, mdV, kv_layout, (TILE_N, d))
+
         def buffer(dtype, size, align=1024):
             return cute.struct.Align[cute.struct.MemRange[dtype, size], align]
 
@@ -273,7 +290,8 @@ class BwdWsSm90(BwdSm90):
             grid = ((max_seqlen_k + TILE_N - 1) // TILE_N, cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, mdK, mdV, mSem, softmax_scale,
+            tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, tma_atom_dK, mdK, tma_atom_dV, mdV,
+            mSem, softmax_scale,
             qhead_per_kvhead, window_size_left, window_size_right, softcap, mCuSeqlensQ, mCuSeqlensK,
             kv_layout, q_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
@@ -296,7 +314,9 @@ class BwdWsSm90(BwdSm90):
         mD: cute.Tensor,
         tma_atom_dQ: cute.CopyAtom,
         mdQacc: cute.Tensor,
+        tma_atom_dK: cute.CopyAtom | None,
         mdK: cute.Tensor,
+        tma_atom_dV: cute.CopyAtom | None,
         mdV: cute.Tensor,
         mSem: cute.Tensor | None,
         softmax_scale: Float32,
@@ -383,8 +403,8 @@ class BwdWsSm90(BwdSm90):
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
             self.consumer(
                 tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
-                tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSem, softmax_scale, softcap, mask, seqlen,
-                n_block, head, head // qhead_per_kvhead, batch, m_min, m_max, walk,
+                tiled_mma_dq, tma_atom_dQ, mdQacc, tma_atom_dK, mdK, tma_atom_dV, mdV, mSem, softmax_scale,
+                softcap, mask, seqlen, n_block, head, head // qhead_per_kvhead, batch, m_min, m_max, walk,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer
@@ -459,8 +479,8 @@ class BwdWsSm90(BwdSm90):
     @cute.jit
     def consumer(
         self, tidx, sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
-        tiled_mma_dq, tma_atom_dQ, mdQacc, mdK, mdV, mSem, softmax_scale, softcap, mask, seqlen, n_block,
-        head, head_kv, batch, m_min, m_max, walk,
+        tiled_mma_dq, tma_atom_dQ, mdQacc, tma_atom_dK, mdK, tma_atom_dV, mdV, mSem, softmax_scale, softcap,
+        mask, seqlen, n_block, head, head_kv, batch, m_min, m_max, walk,
     ):  # fmt: skip
         """Both consumer warpgroups (tidx 0..255): the query blocks [m_min, m_max), then dK, dV."""
         d = self.head_dim
@@ -618,8 +638,14 @@ class BwdWsSm90(BwdSm90):
                 self.release_turn(mSem, held, head, batch, tidx)
         if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        out_head = head_kv if const_expr(self.dkv_atomic) else head
-        self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen)
+        if const_expr(tma_atom_dK is not None):
+            self.store_dkdv_tma(
+                acc_dK, acc_dV, tiled_mma_kv, sK, sV, tma_atom_dK, mdK, tma_atom_dV, mdV, softmax_scale,
+                n_block, head, batch, tidx,
+            )  # fmt: skip
+        else:
+            out_head = head_kv if const_expr(self.dkv_atomic) else head
+            self.store_dkdv(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, out_head, batch, seqlen)
 
     @cute.jit
     def padded_rows(self, mX, head, batch, seqlen):
@@ -849,6 +875,39 @@ class BwdWsSm90(BwdSm90):
             tdQs, tdQg = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), s_grouped, g_grouped)
             cute.copy(tma_atom_dQ, tdQs, tdQg)
             cute.arch.cp_async_bulk_commit_group()
+
+    def dkv_by_tma(self, mdK) -> bool:
+        """dK, dV leave through shared memory and TMA stores: written in the inputs' type at q
+        heads (MHA), dense (a packed varlen tensor would need a ragged view on the key side), at
+        the tiles of DKV_TMA_TILES."""
+        return self.dkv_tma and mdK.element_type == self.dtype and not (self.varlen or self.dkv_atomic)
+
+    @cute.jit
+    def store_dkdv_tma(
+        self, acc_dK, acc_dV, tiled_mma_kv, sK, sV, tma_atom_dK, mdK, tma_atom_dV, mdV, scale, n_block, head,
+        batch, tidx,
+    ):  # fmt: skip
+        """dK * scale and dV of this CTA's 128 keys: converted, written over sK and sV by stmatrix
+        (both warpgroups' last GEMMs, which read all of sK, must be done first), then one TMA store
+        each, issued by the first consumer warp; rows past seqlen_k are clipped by the TMA unit."""
+        acc_dK.store(acc_dK.load() * scale)
+        cute.arch.barrier(barrier_id=BARRIER_DKV, number_of_threads=NUM_MMA_THREADS)
+        smem_copy = stmatrix_copy(self.dtype, tiled_mma_kv, tidx)
+        for acc, smem in ((acc_dK, sK), (acc_dV, sV)):
+            r16 = cute.make_rmem_tensor(acc.layout, self.dtype)
+            convert(acc, r16)
+            cute.copy(smem_copy, smem_copy.retile(r16), smem_copy.partition_D(smem))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BARRIER_DKV, number_of_threads=NUM_MMA_THREADS)
+        if tidx < 32:
+            for atom, smem, gmem in ((tma_atom_dK, sK, mdK), (tma_atom_dV, sV, mdV)):
+                tile = cute.local_tile(gmem[None, None, head, batch], (TILE_N, self.head_dim), (n_block, 0))
+                ts, tg = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(tile, 0, 2)
+                )
+                cute.copy(atom, ts, tg)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sK, sV stay until the stores read them
 
     @cute.jit
     def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen):
