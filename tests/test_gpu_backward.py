@@ -299,18 +299,42 @@ def test_d128_query_tile_80(hopper_gpu, monkeypatch, dtype, deterministic, varle
     check_grads([g.view(2, -1, *g.shape[1:]) for g in ours], ref, lowp, dtype)
 
 
-# dK, dV through shared memory and TMA stores (MHA, dense; the default at tiles 64 and 128, run by
-# every dense MHA case above): at tile 80 too when `sm90_bwd_ws.DKV_TMA_TILES` names it, built afresh.
+# dK, dV through shared memory and TMA stores (MHA, dense) where `sm90_bwd_ws.DKV_TMA_TILES` names
+# the query tile (none by default; session 24, not yet run): every tile, causal or not, with a
+# window, the rows past s_k clipped by the TMA unit. Kernels built afresh.
+DKV_TMA_CASES = {
+    "d64": (64, False, None),
+    "d64-causal": (64, True, None),
+    "d128-tile80": (128, False, None),
+    "d128-causal": (128, True, None),
+    "d128-window": (128, False, (100, 30)),
+}
+
+
 @pytest.mark.parametrize(
-    "seqlens", [(3, 3), (239, 1), (799, 3), (1023, 1024)], ids=["3x3", "239x1", "799x3", "1023x1024"]
+    "seqlens", [(3, 3), (239, 1), (799, 131), (1023, 1024)], ids=["3x3", "239x1", "799x131", "1023x1024"]
 )
+@pytest.mark.parametrize("case", list(DKV_TMA_CASES))
 @pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
-def test_d128_query_tile_80_dkv_by_tma(hopper_gpu, monkeypatch, dtype, deterministic, seqlens):
+def test_dkv_by_tma(hopper_gpu, monkeypatch, dtype, deterministic, case, seqlens):
+    import hopper_fmha
     from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
 
     monkeypatch.setattr(sm90_bwd_ws, "DKV_TMA_TILES", (64, 80, 128))
     monkeypatch.setattr(sm90_bwd, "_compiled", {})
-    test_d128_query_tile_80(hopper_gpu, monkeypatch, dtype, deterministic, False, seqlens, "mha")
+    d, causal, window = DKV_TMA_CASES[case]
+    sq, sk = seqlens
+    seed = zlib.crc32(repr(("dkv_tma", case, seqlens, str(dtype))).encode())
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, sq, sk, 4, 4, d, dtype, seed))
+    window = window or (-1, -1)
+    out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, window_size=window, deterministic=deterministic)
+    dout = torch.randn_like(out)
+    ours = torch.autograd.grad(out, (q, k, v), dout, retain_graph=deterministic)
+    scale = d**-0.5
+    ref = grads(q, k, v, dout, scale, causal, torch.float64, window=window)
+    check_grads(ours, ref, grads(q, k, v, dout, scale, causal, dtype, window=window), dtype)
+    if deterministic:
+        check_repeats_bitwise(ours, out, (q, k, v), dout)
 
 
 # ---- head dims other than 64 and 128: the next kernel up on zero-padded copies ----
