@@ -48,3 +48,23 @@ def test_varlen_key_leaves_the_dense_keys_alone():
     key = KernelKey.from_config("float16", False, cfg)
     assert not key.varlen and not key.seqused_k and "varlen" not in key.slug()
     assert varlen_key(key, False) == key._replace(varlen=True)
+
+
+def test_varlen_tile_counter_compiles(record_property):
+    # `tile_counter` (`kernels.VARLEN_TILE_COUNTER`, off, not yet run on a GPU): non-causal packed
+    # sequences take their tiles from the global counter as causal ones do, so the kernel gains the
+    # counter's atomics (the fetch, and the last CTA's reset) and nothing else.
+    import tempfile
+
+    from hopper_fmha.kernels.cache import compile_kernel
+    from hopper_fmha.kernels.inspect import sass
+
+    plain = varlen_keys(128, False)._replace(cluster_m=1)  # the counter deals tiles to single CTAs
+    counted = plain._replace(tile_counter=True)
+    assert counted.slug() == plain.slug() + "_ctr"
+    texts = []
+    for key in (plain, counted):
+        inspected_without_spills(key, record_property)
+        with tempfile.TemporaryDirectory() as dump:
+            texts.append(sass(compile_kernel(key, options=f"--keep-cubin --dump-dir={dump}").artifacts.CUBIN))
+    assert "ATOMG" not in texts[0] and "ATOMG" in texts[1]

@@ -173,3 +173,21 @@ def test_varlen_at_d96(hopper_gpu, name, causal, window, softcap, with_sink, wit
     assert config.select_config(96, "ws").tile_m == 192
     args = (name, causal, window, softcap, with_sink, with_used, "mixed", "gqa")
     test_varlen(hopper_gpu, torch.bfloat16, 96, *args)
+
+
+# Non-causal packed sequences through the global tile counter (`kernels.VARLEN_TILE_COUNTER`, off
+# by default; session 24, not yet run): few persistent CTAs, so that each draws many tiles and
+# skips the empty ones past its sequences' ends.
+@pytest.mark.parametrize("ctas", [None, 3], ids=["per-sm", "3-ctas"])
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
+@pytest.mark.parametrize("name,causal,window,softcap,with_sink,with_used", CASES, ids=[c[0] for c in CASES])
+def test_varlen_tile_counter(
+    hopper_gpu, monkeypatch, name, causal, window, softcap, with_sink, with_used, lengths, ctas
+):
+    from hopper_fmha import kernels
+
+    monkeypatch.setattr(kernels, "VARLEN_TILE_COUNTER", True)
+    monkeypatch.setattr(kernels, "PERSISTENT_CTAS", ctas)
+    args = (name, causal, window, softcap, with_sink, with_used, lengths, "gqa")
+    for d in (64, 128):
+        test_varlen(hopper_gpu, torch.bfloat16, d, *args)

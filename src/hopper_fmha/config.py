@@ -129,6 +129,9 @@ class KernelConfig:
     split_kv: bool = False  # per launch too (`kernels.kvcache_forward`)
     pack_gqa: int = 1  # likewise: q heads per kv head packed into a tile's rows (1: none)
     paged: int = 0  # likewise: K/V in pages through a page table, pages per key block (0: none)
+    # Non-causal tiles taken from the global tile counter too (WS_SWITCHES; per launch,
+    # `kernels.VARLEN_TILE_COUNTER`).
+    tile_counter: bool = False
     # v's head dim where it differs from head_dim (0: the same).
     head_dim_v: int = 0
 
@@ -381,6 +384,10 @@ WS_SWITCHES = (
     "pack_gqa",
     # Paged K/V (`kernels/loader.py`): a page table per sequence, and pages per key block.
     "paged",
+    # The tile order (`kernels/scheduler.py`): causal launches always take tiles from a global
+    # counter; tile_counter makes non-causal ones do so too (packed sequences, whose tiles differ
+    # in work: `kernels.VARLEN_TILE_COUNTER`).
+    "tile_counter",
 )
 WS_DERIVED_SWITCHES = ("split_o",)
 
@@ -413,6 +420,7 @@ class WsChoice:
     split_kv: bool = False
     pack_gqa: int = 1
     paged: int = 0
+    tile_counter: bool = False  # per launch too
 
 
 # The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and

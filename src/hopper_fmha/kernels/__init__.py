@@ -33,6 +33,11 @@ from .inspect import compile_report  # noqa: E402, F401
 # How the ws variant walks its tiles: "auto"/"persistent" (one CTA per SM, looping over tiles)
 # or "single" (one CTA per tile; causal tiles still longest first). For measurement.
 SCHEDULE = "auto"
+# Non-causal varlen launches take their tiles from the global tile counter (`tile_counter`), as
+# causal ones do, instead of the serpentine order: a packed batch's tiles differ in work (each
+# sequence's keys). Off: built in session 24 without a GPU, not yet run or measured (NOTES "v24";
+# the preset: `hopper-fmha bench --preset varlen` with it set and not).
+VARLEN_TILE_COUNTER = False
 SCHEDULES = ("auto", "persistent", "single")
 # Persistent CTAs; None: one per SM. Tests set a small number so that every CTA runs many tiles.
 PERSISTENT_CTAS: int | None = None
@@ -111,9 +116,12 @@ def varlen_forward(
     if features is not None:
         key = feature_key(key, features)
     key = varlen_key(key, seqused_k is not None)
+    if VARLEN_TILE_COUNTER and not causal:
+        # The counter deals tiles to single CTAs: the two CTAs of a pair would draw different ones.
+        key = key._replace(tile_counter=True, cluster_m=1)
     fn = get_kernel(key)
     ctas, lpt_group = schedule_varlen(q, k, causal, max_seqlen_k)
-    counters, slot = _tile_counters(q.get_device(), causal)
+    counters, slot = _tile_counters(q.get_device(), causal or key.tile_counter)
     args = (q, k, v, out, lse, softmax_scale, q.shape[1] // k.shape[1], ctas, lpt_group, counters, slot)
     fn(*args, *extra_arguments(key, features, (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q)))
 

@@ -60,6 +60,8 @@ class KernelKey(NamedTuple):
     # Paged K/V: k, v (num_pages, page_size, h_kv, d) and a page_table launch argument. 0: not
     # paged; n >= 1: n pages per key block (1: tile_n divides page_size; n > 1: page_size = tile_n / n).
     paged: int = 0
+    # Non-causal tiles from the global tile counter (causal ones always are).
+    tile_counter: bool = False
     # v's head dim where it differs from q's (0: the same). head_dim and head_dim_v are the data's;
     # the ws kernel computes with `config.kernel_head_dims` of them.
     head_dim_v: int = 0
@@ -111,6 +113,7 @@ class KernelKey(NamedTuple):
             slug += "_splitkv" if self.split_kv else ""
             slug += f"_pack{self.pack_gqa}" if self.pack_gqa > 1 else ""
             slug += ("_paged" if self.paged == 1 else f"_paged{self.paged}") if self.paged else ""
+            slug += "_ctr" if self.tile_counter and not self.causal else ""
         return slug
 
 

@@ -172,9 +172,11 @@ class WsFwdSm90:
         split_kv: bool = False,
         pack_gqa: int = 1,
         paged: int = 0,
+        tile_counter: bool = False,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         assert (head_dim, head_dim_v) in WS_KERNEL_HEAD_DIMS
+        assert not (tile_counter and cluster_m > 1), "the tile counter deals tiles to single CTAs"
         assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
         assert num_stages >= 1
         self.dtype = dtype
@@ -295,7 +297,7 @@ class WsFwdSm90:
         self.scheduler = TileScheduler(
             tile_m,
             cluster_m,
-            causal,
+            causal or tile_counter,  # tiles from the global counter, else serpentine
             32 + self.num_mma_threads,
             BARRIER_TILE_FULL,
             BARRIER_TILE_EMPTY,
