@@ -162,3 +162,16 @@ def test_launch_arguments_follow_the_compiled_signature(changes):
     # disk cache takes exactly its compiled list (a shorter one is a TypeError).
     params = list(inspect.signature(WsFwdSm90.__call__).parameters)
     assert len(passed) == len(params) - params.index("stream") - 1
+
+
+@pytest.mark.parametrize(
+    "split_kv,group,paged", [(False, 4, 0), (True, 4, 0), (True, 1, 8)], ids=["one", "split", "paged"]
+)
+def test_tile_counter_decode_compiles_without_spills(split_kv, group, paged, record_property):
+    # `kernels.KVCACHE_TILE_COUNTER` (off, not yet run on a GPU): non-causal ragged decode takes
+    # its tiles from the global counter, split, packed and paged kernels alike.
+    key = decode_key(128, False, split_kv)._replace(cluster_m=1, pack_gqa=group, tile_counter=True)
+    if paged:
+        key = key._replace(paged=paged, num_stages=short_block_stages(128, 128, key.tile_m, key.tile_n, 2))
+    assert key.slug().endswith("_ctr")
+    inspected_without_spills(key, record_property)

@@ -133,3 +133,17 @@ def test_paged_cache(hopper_gpu, dtype, page_size, capacity, groups, num_splits)
 @pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (8, 0)], ids=["1+1", "8"])
 def test_dense_cache_at_d96(hopper_gpu, seqlen_q, seqlen_new, num_splits):
     test_dense_cache(hopper_gpu, torch.bfloat16, 96, seqlen_q, seqlen_new, list(GROUPS)[-1], num_splits)
+
+
+# Ragged non-causal decode through the global tile counter (`kernels.KVCACHE_TILE_COUNTER`, off by
+# default; session 24, not yet run), on few persistent CTAs and one per SM; dense and paged caches.
+@pytest.mark.parametrize("ctas", [None, 3], ids=["per-sm", "3-ctas"])
+@pytest.mark.parametrize("num_splits", [1, 3, 0], ids=["one", "three", "auto"])
+@pytest.mark.parametrize("groups", ["gqa4", "mha"])
+def test_kvcache_tile_counter(hopper_gpu, monkeypatch, groups, num_splits, ctas):
+    from hopper_fmha import kernels
+
+    monkeypatch.setattr(kernels, "KVCACHE_TILE_COUNTER", True)
+    monkeypatch.setattr(kernels, "PERSISTENT_CTAS", ctas)
+    test_dense_cache(hopper_gpu, torch.bfloat16, 128, 1, 1, groups, num_splits)
+    test_paged_cache(hopper_gpu, torch.bfloat16, *PAGED[0], groups, num_splits)

@@ -38,6 +38,9 @@ SCHEDULE = "auto"
 # sequence's keys). Off: built in session 24 without a GPU, not yet run or measured (NOTES "v24";
 # the preset: `hopper-fmha bench --preset varlen` with it set and not).
 VARLEN_TILE_COUNTER = False
+# Likewise for non-causal KV-cache launches with cache_seqlens (ragged lengths: v21's ragged decode
+# cell ran 0.89x FA4, whose one-CTA-per-tile grid the hardware balances). Off, not yet run.
+KVCACHE_TILE_COUNTER = False
 SCHEDULES = ("auto", "persistent", "single")
 # Persistent CTAs; None: one per SM. Tests set a small number so that every CTA runs many tiles.
 PERSISTENT_CTAS: int | None = None
@@ -178,11 +181,13 @@ def kvcache_forward(
         kd, kdv = cfg.kernel_dims
         stages = short_block_stages(kd, kdv, cfg.tile_m, cfg.tile_n, key.num_stages)
         key = key._replace(paged=pages, cluster_m=1, num_stages=stages)
+    if KVCACHE_TILE_COUNTER and not causal and cache_seqlens is not None:
+        key = key._replace(tile_counter=True, cluster_m=1)
     fn = get_kernel(key)
     ctas, lpt_group = schedule(q, k_cache, causal)
     if split:
         lpt_group = 0  # the split scheduler has no longest-first order
-    counters, slot = _tile_counters(q.get_device(), causal)
+    counters, slot = _tile_counters(q.get_device(), causal or key.tile_counter)
     partials = split_workspace(q, out.shape[3], num_splits) if split else None
     args = (q, k_cache, v_cache, out, lse, softmax_scale, group, ctas, lpt_group, counters, slot)
     fn(
