@@ -114,7 +114,7 @@ def ws_backend(spec: str):
         def call():  # allocates its outputs as flash_attn_func does (inside a graph: from its pool)
             out = q.new_empty(*q.shape[:-1], v.shape[-1])
             lse = torch.empty(p.batch, p.heads, p.seqlen_q, device=q.device, dtype=torch.float32)
-            kernels.launch(fn, q, k, v, out, lse, scale, p.causal, ws=True)
+            kernels.launch(fn, q, k, v, out, lse, scale, p.causal, ws=True, tile_counter=cfg.tile_counter)
             return out
 
         return call

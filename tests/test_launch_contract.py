@@ -110,3 +110,17 @@ def test_kvcache_launch(recorded, splits, pack, paged):
     ((key, args),) = recorded
     assert key.split_kv == (splits > 1) and key.paged == paged and (key.pack_gqa > 1) == pack
     assert_follows_compiled_signature(key, args)
+
+
+def test_tile_counter_kernels_get_a_counter_slot_of_their_own(monkeypatch):
+    # A kernel compiled with tile_counter (non-causal) draws tiles from the global counter: its
+    # launch needs a rotating slot, never slot 0 (which stays zero for the kernels that read none).
+    from hopper_fmha import kernels
+
+    asked = []
+    monkeypatch.setattr(kernels, "_tile_counters", lambda index, needed: (asked.append(needed), (None, 1))[1])
+    monkeypatch.setattr(kernels, "_sm_count", lambda index: 132)
+    q = torch.empty(1, 8, 2, 64)
+    for tile_counter in (False, True):
+        kernels.launch_arguments(q, q, q, q, None, 0.125, False, ws=True, tile_counter=tile_counter)
+    assert asked == [False, True]

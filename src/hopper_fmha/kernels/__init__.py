@@ -76,7 +76,20 @@ def forward(
             raise NotImplementedError("window, softcap and learnable_sink need the ws variant")
         cfg = launch_config(cfg, causal, q.shape[1], exact_lse=exact_lse)
         fn = get_kernel(feature_key(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg), features))
-        fn(*launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=True, features=features))
+        fn(
+            *launch_arguments(
+                q,
+                k,
+                v,
+                out,
+                lse,
+                softmax_scale,
+                causal,
+                ws=True,
+                features=features,
+                tile_counter=cfg.tile_counter,
+            )
+        )
         return
     fn, args = prepared_launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
     if cfg.variant == "paper" and (q.shape[0] > GRID_YZ_MAX or q.shape[2] > GRID_YZ_MAX):
@@ -331,12 +344,30 @@ def prepared_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg, 
     if found is None or found[0] is not cfg:
         found = (cfg, get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg)))
         cache.by_config[(id(cfg), q.dtype, causal)] = found  # holds cfg: its id is not reused
-    return found[1], launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=ws)
+    return found[1], launch_arguments(
+        q, k, v, out, lse, softmax_scale, causal, ws=ws, tile_counter=cfg.tile_counter
+    )
 
 
-def launch(fn, q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None) -> None:
+def launch(
+    fn, q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None, tile_counter=False
+) -> None:
     """Call a compiled kernel with its arguments (`launch_arguments`)."""
-    fn(*launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=ws, mode=mode, max_ctas=max_ctas))
+    fn(
+        *launch_arguments(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            softmax_scale,
+            causal,
+            ws=ws,
+            mode=mode,
+            max_ctas=max_ctas,
+            tile_counter=tile_counter,
+        )
+    )
 
 
 def score_features(causal: bool, window=None, softcap: float = 0.0, learnable_sink=None):
@@ -386,12 +417,14 @@ def feature_key(key: KernelKey, features) -> KernelKey:
 
 
 def launch_arguments(
-    q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None, features=None
-) -> tuple:
+    q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None, features=None,
+    tile_counter=False,
+) -> tuple:  # fmt: skip
     """A compiled kernel's arguments; for ws, with the schedule's (see `schedule`).
 
     mode and max_ctas override SCHEDULE and the CTA count (measurement and tests). features:
     `score_features`' tuple, for a kernel compiled with them (`feature_key`); None: none.
+    tile_counter: the kernel was compiled with it (its key's), so it needs a counter slot of its own.
     """
     group = q.shape[2] // k.shape[2]
     if not ws:
@@ -399,8 +432,9 @@ def launch_arguments(
     ctas, lpt_group = schedule(q, k, causal, mode)
     if max_ctas is not None:
         ctas = max_ctas
-    # Causal ws kernels always take tiles from the counters (one CTA per tile included).
-    counters, slot = _tile_counters(q.get_device(), causal)
+    # Causal ws kernels always take tiles from the counters (one CTA per tile included), others
+    # compiled with tile_counter too.
+    counters, slot = _tile_counters(q.get_device(), causal or tile_counter)
     args = (q, k, v, out, lse, softmax_scale, group, ctas, lpt_group, counters, slot)
     # The twelve after the stream (`extra_arguments`): a kernel loaded from disk takes them all.
     return args + (NO_EXTRAS if features is None else tuple(features) + NO_EXTRAS[4:])
