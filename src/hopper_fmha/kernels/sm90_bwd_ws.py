@@ -359,6 +359,9 @@ class BwdWsSm90(BwdSm90):
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE, tma_atom_D):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(tma_atom_dK is not None):
+                cpasync.prefetch_descriptor(tma_atom_dK)
+                cpasync.prefetch_descriptor(tma_atom_dV)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_KV, 1)
         # "full": one producer arrive plus the TMA bytes; "empty": one arrive per consumer warp.
