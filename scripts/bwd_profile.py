@@ -83,9 +83,10 @@ def main():
             q, k, v, out, dout, lse, scale, args.causal, deterministic=args.deterministic, version=version
         )
 
+    switch = "D128_TILE_M" if args.d == 128 else "D64_TILE_M"  # (the query tile of that head dim only)
     if args.ncu:  # the default kernel, or v2 at the first --tile-m
         if args.tile_m:
-            setattr(sm90_bwd, "D128_TILE_M" if args.d == 128 else "D64_TILE_M", args.tile_m[0])
+            setattr(sm90_bwd, switch, args.tile_m[0])
         call(None)
         torch.cuda.synchronize()
         return
@@ -93,10 +94,8 @@ def main():
     name += " causal" if args.causal else ""
     name += " deterministic" if args.deterministic else ""
     runs = [(version, 64) for version in args.versions if version == 1]
-    tiles = args.tile_m or [getattr(sm90_bwd, "D128_TILE_M" if args.d == 128 else "D64_TILE_M")]
-    runs += [(2, tile_m) for tile_m in tiles if 2 in args.versions]
-    switch = "D128_TILE_M" if args.d == 128 else "D64_TILE_M"  # (the tile of that head dim only)
     default_tile = getattr(sm90_bwd, switch)
+    runs += [(2, tile_m) for tile_m in args.tile_m or [default_tile] if 2 in args.versions]
     for version, tile_m in runs:
         setattr(sm90_bwd, switch, tile_m)
         ms = time_ms(lambda version=version: call(version))

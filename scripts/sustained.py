@@ -73,6 +73,11 @@ def parse_ws_spec(spec: str) -> tuple[tuple[int, int] | None, dict]:
         key, eq, value = item.partition("=")
         if key not in WS_SWITCHES or not eq:
             raise ValueError(f"{spec!r}: {item!r} is not switch=value; switches: {', '.join(WS_SWITCHES)}")
+        if key == "tile_counter":  # its kernels need a counter slot that only their launches ask for
+            raise ValueError(
+                f"{spec!r}: tile_counter is set per launch (kernels.VARLEN_TILE_COUNTER, "
+                "KVCACHE_TILE_COUNTER), not on these dense problems"
+            )
         if isinstance(defaults[key], bool):
             if value.lower() not in _TRUE | _FALSE:
                 raise ValueError(f"{spec!r}: {key} takes 0/1, got {value!r}")
@@ -114,7 +119,7 @@ def ws_backend(spec: str):
         def call():  # allocates its outputs as flash_attn_func does (inside a graph: from its pool)
             out = q.new_empty(*q.shape[:-1], v.shape[-1])
             lse = torch.empty(p.batch, p.heads, p.seqlen_q, device=q.device, dtype=torch.float32)
-            kernels.launch(fn, q, k, v, out, lse, scale, p.causal, ws=True, tile_counter=cfg.tile_counter)
+            kernels.launch(fn, q, k, v, out, lse, scale, p.causal, ws=True)
             return out
 
         return call

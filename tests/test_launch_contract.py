@@ -112,15 +112,15 @@ def test_kvcache_launch(recorded, splits, pack, paged):
     assert_follows_compiled_signature(key, args)
 
 
-def test_tile_counter_kernels_get_a_counter_slot_of_their_own(monkeypatch):
-    # A kernel compiled with tile_counter (non-causal) draws tiles from the global counter: its
-    # launch needs a rotating slot, never slot 0 (which stays zero for the kernels that read none).
-    from hopper_fmha import kernels
+def test_sustained_specs_refuse_tile_counter():
+    # A tile_counter kernel needs a counter slot of its own, which only the varlen and KV-cache
+    # launches that set it ask for; the probe's dense launches refuse the switch by name.
+    import sys
+    from pathlib import Path
 
-    asked = []
-    monkeypatch.setattr(kernels, "_tile_counters", lambda index, needed: (asked.append(needed), (None, 1))[1])
-    monkeypatch.setattr(kernels, "_sm_count", lambda index: 132)
-    q = torch.empty(1, 8, 2, 64)
-    for tile_counter in (False, True):
-        kernels.launch_arguments(q, q, q, q, None, 0.125, False, ws=True, tile_counter=tile_counter)
-    assert asked == [False, True]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import sustained
+
+    assert sustained.parse_ws_spec("ws@128x128:pingpong=0") == ((128, 128), {"pingpong": False})
+    with pytest.raises(ValueError, match="tile_counter is set per launch"):
+        sustained.parse_ws_spec("ws:tile_counter=1")

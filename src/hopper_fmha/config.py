@@ -130,7 +130,7 @@ class KernelConfig:
     pack_gqa: int = 1  # likewise: q heads per kv head packed into a tile's rows (1: none)
     paged: int = 0  # likewise: K/V in pages through a page table, pages per key block (0: none)
     # Non-causal tiles taken from the global tile counter too (WS_SWITCHES; per launch,
-    # `kernels.VARLEN_TILE_COUNTER`).
+    # `kernels.VARLEN_TILE_COUNTER`, `kernels.KVCACHE_TILE_COUNTER`).
     tile_counter: bool = False
     # v's head dim where it differs from head_dim (0: the same).
     head_dim_v: int = 0

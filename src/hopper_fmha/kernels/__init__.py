@@ -76,20 +76,7 @@ def forward(
             raise NotImplementedError("window, softcap and learnable_sink need the ws variant")
         cfg = launch_config(cfg, causal, q.shape[1], exact_lse=exact_lse)
         fn = get_kernel(feature_key(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg), features))
-        fn(
-            *launch_arguments(
-                q,
-                k,
-                v,
-                out,
-                lse,
-                softmax_scale,
-                causal,
-                ws=True,
-                features=features,
-                tile_counter=cfg.tile_counter,
-            )
-        )
+        fn(*launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=True, features=features))
         return
     fn, args = prepared_launch(q, k, v, out, lse, softmax_scale, causal, cfg, exact_lse=exact_lse)
     if cfg.variant == "paper" and (q.shape[0] > GRID_YZ_MAX or q.shape[2] > GRID_YZ_MAX):
@@ -344,30 +331,12 @@ def prepared_launch(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg, 
     if found is None or found[0] is not cfg:
         found = (cfg, get_kernel(KernelKey.from_config(_DTYPE_NAMES[q.dtype], causal, cfg)))
         cache.by_config[(id(cfg), q.dtype, causal)] = found  # holds cfg: its id is not reused
-    return found[1], launch_arguments(
-        q, k, v, out, lse, softmax_scale, causal, ws=ws, tile_counter=cfg.tile_counter
-    )
+    return found[1], launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=ws)
 
 
-def launch(
-    fn, q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None, tile_counter=False
-) -> None:
+def launch(fn, q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None) -> None:
     """Call a compiled kernel with its arguments (`launch_arguments`)."""
-    fn(
-        *launch_arguments(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            softmax_scale,
-            causal,
-            ws=ws,
-            mode=mode,
-            max_ctas=max_ctas,
-            tile_counter=tile_counter,
-        )
-    )
+    fn(*launch_arguments(q, k, v, out, lse, softmax_scale, causal, ws=ws, mode=mode, max_ctas=max_ctas))
 
 
 def score_features(causal: bool, window=None, softcap: float = 0.0, learnable_sink=None):
@@ -393,7 +362,8 @@ def score_features(causal: bool, window=None, softcap: float = 0.0, learnable_si
 # (its two-sided mask) or softcap (its tanh) spill at the table's tile: d = 64 at 192 x 128, with
 # 160 registers per consumer thread, spills 16-80 bytes; 192 x 96 (and 128 x 128) do not
 # (tests/test_compile_ws_features.py). A right limit alone and the sink fit at 192 x 128.
-# d = 96 at 192 x 112 spills 72-136 bytes with a left limit, 8 with softcap: 192 x 96 there.
+# d = 96 at 192 x 112 spills 72-136 bytes with a left limit and 8 with softcap, 192 x 96 still 8-24
+# with a left limit: 192 x 80 there.
 FEATURE_TILE_N = {(64, 192, 128): 96, (96, 192, 112): 80}
 
 
@@ -417,14 +387,12 @@ def feature_key(key: KernelKey, features) -> KernelKey:
 
 
 def launch_arguments(
-    q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None, features=None,
-    tile_counter=False,
-) -> tuple:  # fmt: skip
+    q, k, v, out, lse, softmax_scale, causal, *, ws: bool, mode=None, max_ctas=None, features=None
+) -> tuple:
     """A compiled kernel's arguments; for ws, with the schedule's (see `schedule`).
 
     mode and max_ctas override SCHEDULE and the CTA count (measurement and tests). features:
     `score_features`' tuple, for a kernel compiled with them (`feature_key`); None: none.
-    tile_counter: the kernel was compiled with it (its key's), so it needs a counter slot of its own.
     """
     group = q.shape[2] // k.shape[2]
     if not ws:
@@ -432,9 +400,8 @@ def launch_arguments(
     ctas, lpt_group = schedule(q, k, causal, mode)
     if max_ctas is not None:
         ctas = max_ctas
-    # Causal ws kernels always take tiles from the counters (one CTA per tile included), others
-    # compiled with tile_counter too.
-    counters, slot = _tile_counters(q.get_device(), causal or tile_counter)
+    # Causal ws kernels always take tiles from the counters (one CTA per tile included).
+    counters, slot = _tile_counters(q.get_device(), causal)
     args = (q, k, v, out, lse, softmax_scale, group, ctas, lpt_group, counters, slot)
     # The twelve after the stream (`extra_arguments`): a kernel loaded from disk takes them all.
     return args + (NO_EXTRAS if features is None else tuple(features) + NO_EXTRAS[4:])
