@@ -144,8 +144,9 @@ def test_mha_stores_dk_dv_in_the_inputs_type(version):
         cubin = bwd_cubin("bfloat16", 128, True, False, version, mha)
         assert stack_bytes(cubin) == 0
         texts[mha] = sass_or_skip(cubin)
-    assert "STG.E.U16" in texts[True] and "STG.E.U16" not in texts[False]
-    assert "UTMASTG" not in texts[True]  # `sm90_bwd_ws.DKV_TMA_TILES` is empty
+    assert "STG.E.U16" not in texts[False]
+    # v1 stores them from registers; v2 through smem and TMA (`sm90_bwd_ws.DKV_TMA_TILES`).
+    assert ("STG.E.U16" in texts[True]) == (version == 1) and ("UTMASTG" in texts[True]) == (version == 2)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +155,7 @@ def test_mha_stores_dk_dv_in_the_inputs_type(version):
     ids=["64", "128", "80"],
 )
 def test_mha_dense_dk_dv_by_tma(monkeypatch, d, causal, tile_m, stack):
-    # With `sm90_bwd_ws.DKV_TMA_TILES` naming the tile (none by default, not yet run on a GPU): dK,
+    # With `sm90_bwd_ws.DKV_TMA_TILES` naming the tile (all three by default since session 25): dK,
     # dV through sK / sV and a TMA store each, two boxes of 64 columns per tensor at d128 (the
     # 128-byte swizzle's span), no 16-bit stores from registers; GQA's fp32 buffers and packed
     # varlen (a ragged key-side view would be needed) keep their stores from registers. Stack: d64
@@ -259,8 +260,8 @@ TILE_80_CONFIGS = [
     ("float16", False, True, False, False, False),
     ("bfloat16", False, False, True, True, False),
 ]
-# Measured (cu13): 24 B of stack, 32 deterministic.
-TILE_80_STACK_LIMIT = 32
+# Measured (cu13): 24 B of stack, 32 deterministic; 40 for MHA with dK/dV by TMA store.
+TILE_80_STACK_LIMIT = 40
 
 
 @pytest.mark.parametrize("cfg", TILE_80_CONFIGS, ids=[str(i) for i in range(len(TILE_80_CONFIGS))])

@@ -168,7 +168,7 @@ def test_launch_arguments_follow_the_compiled_signature(changes):
     "split_kv,group,paged", [(False, 4, 0), (True, 4, 0), (True, 1, 8)], ids=["one", "split", "paged"]
 )
 def test_tile_counter_decode_compiles_without_spills(split_kv, group, paged, record_property):
-    # `kernels.KVCACHE_TILE_COUNTER` (off, not yet run on a GPU): non-causal ragged decode takes
+    # `kernels.KVCACHE_TILE_COUNTER` (on since session 25): non-causal ragged decode takes
     # its tiles from the global counter, split, packed and paged kernels alike.
     key = decode_key(128, False, split_kv)._replace(cluster_m=1, pack_gqa=group, tile_counter=True)
     if paged:

@@ -51,7 +51,7 @@ def test_varlen_key_leaves_the_dense_keys_alone():
 
 
 def test_varlen_tile_counter_compiles(record_property):
-    # `tile_counter` (`kernels.VARLEN_TILE_COUNTER`, off, not yet run on a GPU): non-causal packed
+    # `tile_counter` (`kernels.VARLEN_TILE_COUNTER`, on since session 25): non-causal packed
     # sequences take their tiles from the global counter as causal ones do, so the kernel gains the
     # counter's atomics (the fetch, and the last CTA's reset) and nothing else.
     import tempfile

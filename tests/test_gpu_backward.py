@@ -2,8 +2,9 @@
 H200 on 2026-11-25, before the score features): dq, dk, dv against float64 autograd of the same
 attention, each within 2x the error of PyTorch's backward in the input dtype + a floor;
 FlashAttention's seqlen pairs (odd sizes, one key, rows without keys), MHA/GQA/MQA, causal or not,
-d = 64 and 128; windows, softcap, the learnable sink, varlen, other head dims up to 128 and d64's
-128-query tile (v2; not yet run on a GPU)."""
+d = 64 and 128; windows, softcap, the learnable sink, varlen, other head dims up to 128, the
+128-query (d64) and 80-query (d128) tiles and dK/dV by TMA store (v2; all run on an H200 by
+session 25)."""
 
 from __future__ import annotations
 
@@ -300,7 +301,8 @@ def test_d128_query_tile_80(hopper_gpu, monkeypatch, dtype, deterministic, varle
 
 
 # dK, dV through shared memory and TMA stores (MHA, dense) where `sm90_bwd_ws.DKV_TMA_TILES` names
-# the query tile (none by default; session 24, not yet run): every tile, causal or not, with a
+# the query tile (all three by default since session 25; set here so that the test stays one of
+# the TMA path whatever the default): every tile, causal or not, with a
 # window, the rows past s_k clipped by the TMA unit. Kernels built afresh.
 DKV_TMA_CASES = {
     "d64": (64, False, None),
@@ -362,7 +364,7 @@ def test_padded_head_dims(hopper_gpu, dtype, causal, dims, seqlens):
     check_grads(ours, ref, grads(q, k, v, dout, d**-0.5, causal, dtype), dtype)
 
 
-# ---- varlen: flash_attn_varlen_func's backward (v2, packed sequences; not yet run on a GPU) ----
+# ---- varlen: flash_attn_varlen_func's backward (v2, packed sequences) ----
 
 VARLEN_LENGTHS_Q = [0, 1, 63, 64, 65, 200, 513, 7]
 VARLEN_LENGTHS_K = [5, 0, 70, 64, 1, 333, 513, 9]

@@ -135,8 +135,8 @@ def test_dense_cache_at_d96(hopper_gpu, seqlen_q, seqlen_new, num_splits):
     test_dense_cache(hopper_gpu, torch.bfloat16, 96, seqlen_q, seqlen_new, list(GROUPS)[-1], num_splits)
 
 
-# Ragged non-causal decode through the global tile counter (`kernels.KVCACHE_TILE_COUNTER`, off by
-# default; session 24, not yet run), on few persistent CTAs and one per SM; dense and paged caches.
+# Ragged non-causal decode through the global tile counter (`kernels.KVCACHE_TILE_COUNTER`, on by
+# default since session 25), on few persistent CTAs and one per SM; dense and paged caches.
 @pytest.mark.parametrize("ctas", [None, 3], ids=["per-sm", "3-ctas"])
 @pytest.mark.parametrize("num_splits", [1, 3, 0], ids=["one", "three", "auto"])
 @pytest.mark.parametrize("groups", ["gqa4", "mha"])

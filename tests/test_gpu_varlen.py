@@ -175,8 +175,8 @@ def test_varlen_at_d96(hopper_gpu, name, causal, window, softcap, with_sink, wit
     test_varlen(hopper_gpu, torch.bfloat16, 96, *args)
 
 
-# Non-causal packed sequences through the global tile counter (`kernels.VARLEN_TILE_COUNTER`, off
-# by default; session 24, not yet run): few persistent CTAs, so that each draws many tiles and
+# Non-causal packed sequences through the global tile counter (`kernels.VARLEN_TILE_COUNTER`, on
+# by default since session 25): few persistent CTAs, so that each draws many tiles and
 # skips the empty ones past its sequences' ends.
 @pytest.mark.parametrize("ctas", [None, 3], ids=["per-sm", "3-ctas"])
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))

@@ -13,9 +13,9 @@ heads past 65535, torch.compile(fullgraph=True)), and on by default.
 What the kernel serves: fp16/bf16, head dims up to 128 (64 and 128 natively, the others on
 zero-padded copies, v's may differ), causal or not, MHA/GQA/MQA,
 deterministic or not, sliding windows, softcap and the learnable sink (whose gradient the host
-reduces from the kernel's row sums: `sink_gradient`; windows and softcap are the kernel's, compile
-tier only, not yet run on a GPU). `flash_attn_varlen_func` has the same backward through
-`hopper_fmha::varlen_bwd` (also not yet run on a GPU; without seqused_k). Other head dims are
+reduces from the kernel's row sums: `sink_gradient`; windows and softcap are the kernel's).
+`flash_attn_varlen_func` has the same backward through `hopper_fmha::varlen_bwd` (without
+seqused_k). Other head dims are
 refused before the forward runs, with the rule named.
 """
 

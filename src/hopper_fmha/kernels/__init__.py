@@ -35,12 +35,12 @@ from .inspect import compile_report  # noqa: E402, F401
 SCHEDULE = "auto"
 # Non-causal varlen launches take their tiles from the global tile counter (`tile_counter`), as
 # causal ones do, instead of the serpentine order: a packed batch's tiles differ in work (each
-# sequence's keys). Off: built in session 24 without a GPU, not yet run or measured (NOTES "v24";
-# the preset: `hopper-fmha bench --preset varlen` with it set and not).
-VARLEN_TILE_COUNTER = False
-# Likewise for non-causal KV-cache launches with cache_seqlens (ragged lengths: v21's ragged decode
-# cell ran 0.89x FA4, whose one-CTA-per-tile grid the hardware balances). Off, not yet run.
-KVCACHE_TILE_COUNTER = False
+# sequence's keys). Session 25, H200, `--preset varlen`: 1.018x -> 1.036x the best peer, the two
+# non-causal cells 0.98 -> 1.01 (d128) and 0.98 -> 1.06 (d64) FA4 (NOTES "v25").
+VARLEN_TILE_COUNTER = True
+# Likewise for non-causal KV-cache launches with cache_seqlens (ragged lengths, which FA4's
+# one-CTA-per-tile grid the hardware balances): `--preset decode`'s ragged cell 0.89x -> 0.99x.
+KVCACHE_TILE_COUNTER = True
 SCHEDULES = ("auto", "persistent", "single")
 # Persistent CTAs; None: one per SM. Tests set a small number so that every CTA runs many tiles.
 PERSISTENT_CTAS: int | None = None

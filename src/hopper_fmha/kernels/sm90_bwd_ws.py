@@ -98,11 +98,11 @@ BARRIER_TURN = 2  # deterministic mode: the CTA's turn to add dQ has come / its 
 BARRIER_DQ = 3  # + warpgroup: its dQ buffer is free / written (TMA reduce-add of dQ)
 # The query tiles whose MHA dense kernels store dK, dV through shared memory and TMA (`dkv_by_tma`;
 # the others, 2-byte stores from registers, 4x the L2 sectors the data needs: ncu, NOTES "v24").
-# None yet: built in session 24 without a GPU (compile tier only; at tiles 64 and 128 it spills
-# nothing more, at 80 40 bytes instead of 24, in the main loop). To measure:
-# `bwd_profile.py --dkv-tma 64 80 128`; GPU test `test_gpu_backward.py -k dkv_by_tma`. Read when
-# a kernel is built (`sm90_bwd._compiled` keeps the kernels built before a change).
-DKV_TMA_TILES: tuple[int, ...] = ()
+# All three of the dense kernels' tiles (session 25, H200, bwd_profile bf16 B4 N4096: d128 tile 80
+# 503/470 -> 536/504 TFLOP/s, tile 64 490 -> 519/527, d64 tile 128 431 -> 441/434; GPU test
+# `test_gpu_backward.py -k dkv_by_tma`). Read when a kernel is built (`sm90_bwd._compiled` keeps
+# the kernels built before a change).
+DKV_TMA_TILES: tuple[int, ...] = (64, 80, 128)
 BARRIER_DKV = 5  # both consumer warpgroups: sK, sV free for dK, dV / dK, dV written (`store_dkdv_tma`)
 
 
