@@ -10,7 +10,6 @@ import re
 import tempfile
 import time
 
-import numpy as np
 import pytest
 
 from hopper_fmha.config import SUPPORTED_HEAD_DIMS, launch_config, select_config
@@ -54,9 +53,6 @@ def inspected(key: KernelKey) -> dict:
         return row
     row.update(sass_summary(text))
     row["tanh"] = len(re.findall(r"MUFU\.TANH", text))
-    row["ex2"] = len(re.findall(r"MUFU\.EX2", text))
-    row["fadd_rm"] = len(re.findall(r"FADD\.RM", text))
-    row["fmnmx_nan"] = len(re.findall(r"FMNMX\.NAN", text))
     return row
 
 
@@ -122,55 +118,3 @@ def test_feature_keys():
     assert feature_key(d64, score_features(False, None, 0.0, "sink")).tile_n == 128
     assert feature_key(d64, score_features(False, (3, -1))).tile_n == 96
     assert feature_key(d64, score_features(True, None, 2.0)).tile_n == 96
-
-
-def exp2_fma_model(x: np.ndarray) -> np.ndarray:
-    """`softmax.exp2_fma`'s arithmetic in NumPy, step for step in fp32: the clamp, floor (the
-    round-down add), the Horner steps as FMAs (exact products in fp64, one rounding), 2^j from bits."""
-    from hopper_fmha.kernels.softmax import EXP2_FMA_MIN, EXP2_POLY
-
-    c3, c2, c1, c0 = (
-        np.array(int(h[2:], 16), np.uint32).view(np.float32).astype(np.float64) for h in EXP2_POLY
-    )
-    x = np.asarray(x, np.float32)
-    xc = np.where(np.isnan(x), x, np.maximum(x, np.float32(EXP2_FMA_MIN)))
-    j = np.floor(xc)
-    f = (xc - j).astype(np.float32).astype(np.float64)
-    p = np.float32(f * c3 + c2).astype(np.float64)
-    p = np.float32(p * f + c1).astype(np.float64)
-    p = np.float32(p * f + c0)
-    with np.errstate(invalid="ignore"):
-        bits = ((np.nan_to_num(j).astype(np.int64) + 127) << 23).astype(np.uint32)
-    return (p * bits.view(np.float32)).astype(np.float32)
-
-
-def test_exp2_fma_arithmetic():
-    # The polynomial exp2 (`kernels.softmax.exp2_fma`; the GPU tier runs the PTX): within 8e-5 of
-    # 2^x relative over the exponents the softmax makes (<= RESCALE_THRESHOLD), exactly 0 for a
-    # masked score (-inf) and below -127, NaN for NaN.
-    x = np.linspace(-126.0, 8.0, 400_001, dtype=np.float32)
-    rel = np.abs(exp2_fma_model(x).astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
-    assert rel.max() < 8e-5
-    assert rel.max() > 1e-5  # a polynomial, not the exact function
-    edge = exp2_fma_model(np.array([-np.inf, -127.0, -300.0, np.nan, 0.0, 1.0, -1.0], np.float32))
-    assert (edge[:3] == 0).all() and np.signbit(edge[:3]).sum() == 0 and np.isnan(edge[3])
-    assert abs(edge[4] - 1) < 8e-5 and abs(edge[5] - 2) < 2e-4 and abs(edge[6] - 0.5) < 4e-5
-
-
-@pytest.mark.parametrize("poly", [4, 8])
-def test_softcap_exp2_on_fma_units(poly, record_property):
-    # `exp2_poly` (kernels.SOFTCAP_EXP2_POLY with softcap; off by default, session 25, not yet run
-    # on a GPU): that many of every 8 exponentials become the polynomial, FMNMX.NAN + FADD.RM
-    # each, in place of MUFU.EX2; the tanh stay; no spills.
-    base = feature_keys(128, False, None, 30.0, None)
-    assert base.exp2_poly == 0 and "_e2p" not in base.slug()
-    plain = inspected_without_spills(base, record_property)
-    key = base._replace(exp2_poly=poly)
-    assert key.slug().endswith(f"_softcap_e2p{poly}")
-    row = inspected_without_spills(key, record_property)
-    assert row["tanh"] == plain["tanh"]
-    assert row["fadd_rm"] == row["fmnmx_nan"] > 0
-    assert plain["fadd_rm"] == plain["fmnmx_nan"] == 0
-    # The row rescale's exponentials stay on MUFU.
-    assert row["ex2"] + row["fadd_rm"] == plain["ex2"] and row["ex2"] > 0
-    assert abs(row["fadd_rm"] / plain["ex2"] - poly / 8) < 0.05

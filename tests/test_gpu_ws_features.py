@@ -156,21 +156,3 @@ def test_ws_features_at_d96(hopper_gpu, d, name, causal, window_kind, softcap, w
     assert config.select_config(d, "ws").tile_m == 192
     args = (name, causal, window_kind, softcap, with_sink, seqlens, "gqa")
     test_ws_features(hopper_gpu, torch.bfloat16, d, *args)
-
-
-# Softcap with exponentials on the FMA units (`kernels.SOFTCAP_EXP2_POLY`, `softmax.exp2_fma`; off
-# by default, session 25): 3 of 8 and all 8, every softcap case, tails and many tiles.
-@pytest.mark.parametrize("poly", [3, 8])
-@pytest.mark.parametrize("seqlens", [(3, 3), (239, 1), (1023, 1024)], ids=["3x3", "239x1", "1023x1024"])
-@pytest.mark.parametrize(
-    "name,causal,window_kind,softcap,with_sink", [c for c in CASES if c[3]], ids=[c[0] for c in CASES if c[3]]
-)
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_softcap_exp2_fma(
-    hopper_gpu, monkeypatch, dtype, d, name, causal, window_kind, softcap, with_sink, seqlens, poly
-):
-    from hopper_fmha import kernels
-
-    monkeypatch.setattr(kernels, "SOFTCAP_EXP2_POLY", poly)
-    test_ws_features(hopper_gpu, dtype, d, name, causal, window_kind, softcap, with_sink, seqlens, "gqa")

@@ -132,10 +132,6 @@ class KernelConfig:
     # Non-causal tiles taken from the global tile counter too (WS_SWITCHES; per launch,
     # `kernels.VARLEN_TILE_COUNTER`, `kernels.KVCACHE_TILE_COUNTER`).
     tile_counter: bool = False
-    # Of every 8 exponentials of the softmax, how many run on the FMA units (a polynomial) instead
-    # of MUFU (WS_SWITCHES; per launch: `kernels.SOFTCAP_EXP2_POLY` with softcap, whose tanh also
-    # takes MUFU). 0: none.
-    exp2_poly: int = 0
     # v's head dim where it differs from head_dim (0: the same).
     head_dim_v: int = 0
 
@@ -392,9 +388,6 @@ WS_SWITCHES = (
     # counter; tile_counter makes non-causal ones do so too (packed sequences, whose tiles differ
     # in work: `kernels.VARLEN_TILE_COUNTER`).
     "tile_counter",
-    # The softmax (`kernels/softmax.py`): exponentials on the FMA units, of every 8 (softcap's
-    # tanh leaves MUFU the limit: `kernels.SOFTCAP_EXP2_POLY`).
-    "exp2_poly",
 )
 WS_DERIVED_SWITCHES = ("split_o",)
 
@@ -428,7 +421,6 @@ class WsChoice:
     pack_gqa: int = 1
     paged: int = 0
     tile_counter: bool = False  # per launch too
-    exp2_poly: int = 0  # likewise (`kernels.feature_key`)
 
 
 # The ws variant's choice per head dim, started from FlashAttention-3/4's (tuned on H100 SXM) and

@@ -41,10 +41,6 @@ VARLEN_TILE_COUNTER = True
 # Likewise for non-causal KV-cache launches with cache_seqlens (ragged lengths, which FA4's
 # one-CTA-per-tile grid the hardware balances): `--preset decode`'s ragged cell 0.89x -> 0.99x.
 KVCACHE_TILE_COUNTER = True
-# With softcap, of every 8 softmax exponentials, how many run as a polynomial on the FMA units
-# (`kernels.softmax.exp2_fma`): softcap's tanh is a second MUFU op per score, and MUFU then limits
-# the softmax (ncu, NOTES "v25"). 0: all on MUFU. Session 25: built and compile-tested only.
-SOFTCAP_EXP2_POLY = 0
 SCHEDULES = ("auto", "persistent", "single")
 # Persistent CTAs; None: one per SM. Tests set a small number so that every CTA runs many tiles.
 PERSISTENT_CTAS: int | None = None
@@ -374,14 +370,12 @@ FEATURE_TILE_N = {(64, 192, 128): 96, (96, 192, 112): 80}
 def feature_key(key: KernelKey, features) -> KernelKey:
     """`key` with the score features of `score_features`: a window takes unpaired CTAs (paired
     tiles visit the same key blocks) and, with a left limit, no causal_trim; a left limit or
-    softcap take the narrower tile of `FEATURE_TILE_N` where the table's would spill; softcap takes
-    `SOFTCAP_EXP2_POLY` (exponentials on the FMA units)."""
+    softcap take the narrower tile of `FEATURE_TILE_N` where the table's would spill."""
     left, right, softcap, sink = features
     window = {(True, True): "both", (True, False): "left", (False, True): "right"}.get(
         (left is not None, right is not None), ""
     )
     changes = {"window": window, "softcap": softcap is not None, "sink": sink is not None}
-    changes["exp2_poly"] = SOFTCAP_EXP2_POLY if softcap is not None else 0
     if window:
         changes["cluster_m"] = 1
     if left is not None:

@@ -62,8 +62,6 @@ class KernelKey(NamedTuple):
     paged: int = 0
     # Non-causal tiles from the global tile counter (causal ones always are).
     tile_counter: bool = False
-    # Of every 8 softmax exponentials, how many by a polynomial on the FMA units (`Softmax`).
-    exp2_poly: int = 0
     # v's head dim where it differs from q's (0: the same). head_dim and head_dim_v are the data's;
     # the ws kernel computes with `config.kernel_head_dims` of them.
     head_dim_v: int = 0
@@ -116,7 +114,6 @@ class KernelKey(NamedTuple):
             slug += f"_pack{self.pack_gqa}" if self.pack_gqa > 1 else ""
             slug += ("_paged" if self.paged == 1 else f"_paged{self.paged}") if self.paged else ""
             slug += "_ctr" if self.tile_counter and not self.causal else ""
-            slug += f"_e2p{self.exp2_poly}" if self.exp2_poly else ""
         return slug
 
 

@@ -173,7 +173,6 @@ class WsFwdSm90:
         pack_gqa: int = 1,
         paged: int = 0,
         tile_counter: bool = False,
-        exp2_poly: int = 0,
     ):
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         assert (head_dim, head_dim_v) in WS_KERNEL_HEAD_DIMS
@@ -263,9 +262,6 @@ class WsFwdSm90:
         assert not (self.trim and self.window_left), "causal_trim with a left window is not supported"
         self.softcap = softcap
         self.sink = sink
-        # Of every 8 exponentials, how many a polynomial computes on the FMA units (`Softmax`).
-        assert 0 <= exp2_poly <= 8
-        self.exp2_poly = exp2_poly
         # Packed variable-length sequences (`SeqlenInfo`): cu_seqlens_q/k; seqused_k (a KV
         # cache's filled rows, dense or packed).
         self.varlen = varlen
@@ -814,7 +810,7 @@ class WsFwdSm90:
             acc_shape_S_half = tiled_mma_qk_half.get_slice(tidx).partition_shape_C(
                 (self.tile_m, self.tile_n // 2)
             )
-        softmax = Softmax.create(scale_log2, rows_per_thread, self.mma_rowsum, softcap_scale, self.exp2_poly)
+        softmax = Softmax.create(scale_log2, rows_per_thread, self.mma_rowsum, softcap_scale)
         # With rescale_o_early: the factor of the last softmax, applied before the next GEMM-II.
         o_scale = cute.make_rmem_tensor((rows_per_thread,), Float32)
         cS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))

@@ -20,10 +20,6 @@ Score features, each one field of the compile key:
   S into tanh(S * softmax_scale / cap) (tanh.approx) before the mask and the row max; the kernel
   then sets scale_log2 = cap * log2 e, so the exponent and the LSE see s itself. Called before
   the mask, so masked entries (-inf) stay -inf (tanh(-inf) would be -1).
-- exp2 on the FMA units (`exp2_poly` = k of every 8 exponentials, `exp2_fma`): softcap's tanh
-  is a second MUFU op per score, and MUFU (16 per clock per SM) then takes as long as the two
-  GEMMs of a block. A degree-3 polynomial (rel. error 7.5e-5, under a quarter of fp16's rounding
-  step) moves some of the exponentials to the FMA pipes, whose issue slots are mostly free.
 - learnable sink (`finalize`'s sink_log2: the head's sink logit * log2 e, in the units of s):
   joins every row's denominator, taken against max(row max, sink) so that neither overflows;
   the LSE includes it (lse = log(sum exp(s) + exp(sink))); a row with no key gets O = 0 and
@@ -37,50 +33,11 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .sm90_common import LN_2, acc_mn_layout, pinned_wait_group
 
 # Lazy rescaling: the softmax max moves only when a row's max grows by more than this (log2 units).
 RESCALE_THRESHOLD = 8.0
-
-# 2^f on [0, 1): c0 + c1 f + c2 f^2 + c3 f^3, fitted for the least maximum relative error
-# (7.5e-5 in fp32 Horner; `tests/test_emulate.py` checks these bits). fp32 hex, c3 first.
-EXP2_POLY = ("0f3D9FCB10", "0f3E677E20", "0f3F32222D", "0f3F7FFB18")
-# The exponent arguments exp2_fma takes: below -127 it returns 0 (as MUFU's ftz does near there).
-EXP2_FMA_MIN = -127.0
-
-
-@dsl_user_op
-def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2^x on the FMA and integer units (no MUFU), x <= 128: j = floor(x) by a round-down add of
-    1.5 * 2^23 (j lands in the sum's low mantissa bits), f = x - j, 2^f by `EXP2_POLY`, and 2^j
-    made as a float from the sum's bits (one IMAD: bits << 23 + 127 << 23). x is first clamped to
-    -127, where 2^j's bits are 0: -inf (a masked score) gives exactly 0; NaN stays NaN (max.NaN).
-    Nine instructions."""
-    c3, c2, c1, c0 = EXP2_POLY
-    y = llvm.inline_asm(
-        T.f32(),
-        [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{ .reg .f32 xc, t, j, f, p, s; .reg .b32 b;"
-        " max.NaN.f32 xc, $1, 0fC2FE0000;"  # -127
-        " add.rm.f32 t, xc, 0f4B400000;"  # 1.5 * 2^23 + floor(xc)
-        " sub.rn.f32 j, t, 0f4B400000;"
-        " sub.rn.f32 f, xc, j;"
-        f" fma.rn.f32 p, f, {c3}, {c2};"
-        f" fma.rn.f32 p, p, f, {c1};"
-        f" fma.rn.f32 p, p, f, {c0};"
-        " mov.b32 b, t;"
-        " mad.lo.u32 b, b, 8388608, 1065353216;"  # (floor(xc) + 127) << 23: the float 2^j
-        " mov.b32 s, b;"
-        " mul.rn.f32 $0, p, s; }",
-        "=f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Float32(y)
 
 
 @dataclass(frozen=True)
@@ -89,7 +46,6 @@ class Softmax:
 
     mma_rowsum: the row sums come from the tensor cores (a GEMM of P against ones, accumulated like
     O in `acc_sum`), so `online_softmax` adds nothing and `finalize` reads them there.
-    exp2_poly: of every 8 of a tile's exponentials, how many `exp2_fma` computes (module docstring).
     A frozen dataclass: the DSL's loops pass it through unchanged (its tensors are registers).
     """
 
@@ -99,20 +55,15 @@ class Softmax:
     mma_rowsum: cutlass.Constexpr[bool] = False
     # softcap: softmax_scale / cap (runtime), None when off (then scale_log2 = cap * log2 e).
     softcap_scale: Float32 = None
-    exp2_poly: cutlass.Constexpr[int] = 0
 
     @staticmethod
     def create(
-        scale_log2: Float32,
-        rows: int,
-        mma_rowsum: bool = False,
-        softcap_scale: Float32 = None,
-        exp2_poly: int = 0,
+        scale_log2: Float32, rows: int, mma_rowsum: bool = False, softcap_scale: Float32 = None
     ) -> Softmax:
         """Statistics of `rows` rows per thread (registers, set by `reset`)."""
         row_max = cute.make_rmem_tensor((rows,), Float32)
         row_sum = cute.make_rmem_tensor((rows,), Float32)
-        return Softmax(scale_log2, row_max, row_sum, mma_rowsum, softcap_scale, exp2_poly)
+        return Softmax(scale_log2, row_max, row_sum, mma_rowsum, softcap_scale)
 
     @cute.jit
     def apply_softcap(self, acc_S: cute.Tensor):
@@ -186,10 +137,7 @@ class Softmax:
             for c in cutlass.range_constexpr(cols):
                 acc_S_mn[r, c] = acc_S_mn[r, c] * scale_log2 - max_scaled[r]
         for i in cutlass.range_constexpr(rows * cols):
-            if const_expr(i % 8 < self.exp2_poly):
-                acc_S_mn[i // cols, i % cols] = exp2_fma(acc_S_mn[i // cols, i % cols])
-            else:
-                acc_S_mn[i // cols, i % cols] = cute.math.exp2(acc_S_mn[i // cols, i % cols], fastmath=True)
+            acc_S_mn[i // cols, i % cols] = cute.math.exp2(acc_S_mn[i // cols, i % cols], fastmath=True)
             if const_expr(i + 1 == min(wait_pv_after, rows * cols)):
                 pinned_wait_group(acc_S_mn[i // cols, i % cols])
         if const_expr(not self.mma_rowsum):
