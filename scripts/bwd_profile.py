@@ -62,6 +62,12 @@ def main():
         nargs="*",
         help="the query tiles whose MHA kernels store dK, dV by TMA (sm90_bwd_ws.DKV_TMA_TILES; empty: none)",
     )
+    parser.add_argument(
+        "--dq-at-cast",
+        choices=("on", "off"),
+        default=None,
+        help="dQ's softmax scale applied as the host casts dQacc (sm90_bwd.DQ_SCALE_AT_CAST), or per step",
+    )
     parser.add_argument("--ncu", action="store_true", help="one call, no timing (v2 at the first --tile-m)")
     parser.add_argument(
         "--tile-m",
@@ -74,6 +80,8 @@ def main():
     args = parser.parse_args()
     if args.dkv_tma is not None:
         sm90_bwd_ws.DKV_TMA_TILES = tuple(args.dkv_tma)
+    if args.dq_at_cast is not None:
+        sm90_bwd.DQ_SCALE_AT_CAST = args.dq_at_cast == "on"
     q, k, v, out, dout, lse = inputs(args)
     scale = args.d**-0.5
     fmul = 2.5 * 4 * args.batch * args.heads * args.seqlen**2 * args.d / (2 if args.causal else 1)

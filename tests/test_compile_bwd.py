@@ -3,6 +3,7 @@
 WGMMAs: S^T, dP^T and dQ from shared memory, dV and dK with A from registers. The GPU tier:
 tests/test_gpu_backward.py."""
 
+import re
 import tempfile
 
 import pytest
@@ -277,3 +278,21 @@ def test_d128_query_tile_80_compiles(cfg):
     assert summary["hgmma_rs"] == 2 * 80 // 16
     assert "64x80x16" in summary["hgmma_shapes"] and "64x128x16" in summary["hgmma_shapes"]
     assert "UTMAREDG.4D.ADD" in text and ("MEMBAR.ALL.GPU" in text) == det
+
+
+@pytest.mark.parametrize(
+    "d, causal, version, mha, tile_m",
+    [(128, False, 2, True, 80), (64, False, 2, False, 128), (128, True, 2, False, 64), (128, False, 1, True, 64)],
+    ids=["v2-d128-80", "v2-d64-128", "v2-d128-64-causal", "v1-d128"],
+)
+def test_dq_unscaled_drops_the_per_step_multiplies(d, causal, version, mha, tile_m):
+    # `sm90_bwd.DQ_SCALE_AT_CAST` (off by default; session 25, not yet run on a GPU): the kernel
+    # adds dS K into dQacc unscaled (the host scales as it casts), so each thread's dQ part loses
+    # one FMUL per value: tile_m x d / 2 per warpgroup of 128 threads (v2), 64 x d / 128 (v1);
+    # the stack does not grow.
+    key = ("bfloat16", d, causal, False, version, mha, False, False, False, False, False, tile_m, False)
+    plain, unscaled = bwd_cubin(*key), bwd_cubin(*key, True)
+    assert stack_bytes(unscaled) <= stack_bytes(plain)
+    fmuls = [len(re.findall(r"\bFMUL\b", sass_or_skip(c))) for c in (plain, unscaled)]
+    per_thread = tile_m * d // 2 // 128 if version == 2 else 64 * d // 128
+    assert fmuls[0] - fmuls[1] == per_thread

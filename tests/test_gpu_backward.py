@@ -339,6 +339,57 @@ def test_dkv_by_tma(hopper_gpu, monkeypatch, dtype, deterministic, case, seqlens
         check_repeats_bitwise(ours, out, (q, k, v), dout)
 
 
+# dQacc without the softmax scale, which the host applies as it casts dQ
+# (`sm90_bwd.DQ_SCALE_AT_CAST`, off by default; session 25, not yet run): both kernel versions,
+# every query tile of v2 (d128 64 causal / 80, d64 128), MHA/GQA/MQA; autograd with deterministic
+# mode (bitwise repeats); varlen (its padded-rows dQacc).
+DQ_SCALE_CASES = [
+    (1, 128, False, "mha"),
+    (1, 64, True, "gqa"),
+    (2, 128, False, "mha"),
+    (2, 128, True, "gqa"),
+    (2, 64, False, "mqa"),
+    (2, 64, True, "mha"),
+]
+
+
+@pytest.mark.parametrize(
+    "seqlens", [(3, 3), (239, 1), (799, 131), (1023, 1024)], ids=["3x3", "239x1", "799x131", "1023x1024"]
+)
+@pytest.mark.parametrize(
+    "version, d, causal, heads",
+    DQ_SCALE_CASES,
+    ids=[f"v{c[0]}-d{c[1]}-{'causal' if c[2] else 'full'}-{c[3]}" for c in DQ_SCALE_CASES],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_dq_scale_at_cast(hopper_gpu, monkeypatch, dtype, version, d, causal, heads, seqlens):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", True)
+    test_backward_matches_reference(hopper_gpu, version, dtype, d, causal, seqlens, heads)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dq_scale_at_cast_deterministic(hopper_gpu, monkeypatch, causal):
+    import hopper_fmha
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", True)
+    test_autograd_matches_reference(hopper_gpu, torch.bfloat16, True, causal, (1023, 1024), "gqa")
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 700, 900, 4, 4, 128, torch.bfloat16, 7))
+    out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, deterministic=True)
+    dout = torch.randn_like(out)
+    check_repeats_bitwise(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), out, (q, k, v), dout)
+
+
+@pytest.mark.parametrize("case", ["full", "causal", "softcap"])
+def test_dq_scale_at_cast_varlen(hopper_gpu, monkeypatch, case):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", True)
+    test_varlen_backward(hopper_gpu, torch.bfloat16, False, 128, case, "gqa")
+
+
 # ---- head dims other than 64 and 128: the next kernel up on zero-padded copies ----
 
 PADDED_DIMS = [(32, 32), (80, 80), (96, 96), (96, 64), (128, 96), (40, 24)]

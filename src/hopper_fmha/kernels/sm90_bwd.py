@@ -69,12 +69,15 @@ GRID_YZ_MAX = _GRID_YZ_MAX
 class BwdSm90:
     """Compile-time configuration of the first backward kernel; `__call__` launches it."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool = False):
+    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool = False, dq_unscaled=False):
         assert head_dim in HEAD_DIMS, f"the first backward kernel takes head_dim {HEAD_DIMS}"
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
         self.deterministic = deterministic
+        # dQacc gathers dS K without the softmax scale, which the host applies as it casts dQ
+        # (`DQ_SCALE_AT_CAST`); else every step's part is scaled before it is added.
+        self.dq_unscaled = dq_unscaled
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -353,7 +356,8 @@ class BwdSm90:
 
     @cute.jit
     def add_dq(self, acc_dQ, thr_dq, mdQacc, scale, m0, head, batch, seqlen_q):
-        """dQacc[m0 + i, :] += scale * acc_dQ[i, :] by fp32 atomics, rows inside the sequence."""
+        """dQacc[m0 + i, :] += scale * acc_dQ[i, :] (no scale with dq_unscaled) by fp32 atomics, rows
+        inside the sequence."""
         cQ = thr_dq.partition_C(cute.make_identity_tensor((TILE, self.head_dim)))
         cQ_mn = cute.make_tensor(cQ.iterator, acc_mn_layout(cQ.layout))
         acc_mn = cute.make_tensor(acc_dQ.iterator, acc_mn_layout(acc_dQ.layout))
@@ -364,7 +368,9 @@ class BwdSm90:
                 for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                     col = cQ_mn[r, c][1]
                     ptr = gdQ.iterator + cute.crd2idx((q, col), gdQ.layout)
-                    cute.arch.atomic_add(ptr, acc_mn[r, c] * scale)
+                    cute.arch.atomic_add(
+                        ptr, acc_mn[r, c] if const_expr(self.dq_unscaled) else acc_mn[r, c] * scale
+                    )
 
     @cute.jit
     def store_dkdv(self, acc_dK, acc_dV, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen_k):
@@ -460,12 +466,13 @@ def compile_bwd(
     varlen: bool = False,
     tile_m: int = TILE,
     rotate: bool = False,
+    dq_unscaled: bool = False,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
     window_left/right, softcap: the score features the kernel handles; varlen: packed sequences;
     tile_m: queries per step (`query_tile`); rotate: the deterministic walk (`rotates`) (version 2
-    only).
+    only); dq_unscaled: dQacc without the softmax scale (`DQ_SCALE_AT_CAST`).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
@@ -474,20 +481,39 @@ def compile_bwd(
 
         kernel = BwdWsSm90(
             dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen,
-            tile_m, rotate,
+            tile_m, rotate, dq_unscaled,
         )  # fmt: skip
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
         assert not (window_left or window_right or softcap or varlen), "version 1: no window, softcap, varlen"
         assert tile_m == TILE, "version 1 steps 64 queries"
         assert not rotate, "version 1: no rotated deterministic walk"
-        kernel = BwdSm90(dtype, head_dim, causal, deterministic)
+        kernel = BwdSm90(dtype, head_dim, causal, deterministic, dq_unscaled)
     return cute.compile(
         kernel, *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic, varlen), options=opts
     )
 
 
 _compiled: dict = {}
+# The softmax scale of dQ applied once, as the host casts dQacc to dQ (one fused multiply-and-cast,
+# `cast_dq`), instead of on every step's part before it is added: ncu (v25, d128 tile 80) counted
+# those multiplies as 35 M of the kernel's 488 M instructions, which FA4's (408 M) does not have;
+# the kernel issues about one warp-instruction per scheduler every 4 cycles in both. Off: built in
+# session 25 without a GPU (compile tier only). Part of the compile key (`_compiled`).
+DQ_SCALE_AT_CAST = False
+
+
+def cast_dq(dq_acc, dtype, scale: float | None):
+    """dQ in `dtype` from the fp32 dQacc: cast, or (scale given: the kernel left it out) scaled and
+    cast in one elementwise pass (torch computes in fp32 and rounds once on the write)."""
+    import torch
+
+    if scale is None:
+        return dq_acc.to(dtype)
+    dq = torch.empty(dq_acc.shape, device=dq_acc.device, dtype=dtype)
+    return torch.mul(dq_acc, scale, out=dq)
+
+
 # v2's query tile at d64: 64, or 128 (FA4's d64 tile: twice the GEMM work per step for the same
 # fixed cost: 369 -> 428 TFLOP/s non-causal, 336 -> 367 causal, bf16 B4 N4096 H32, `bwd_profile
 # --tile-m 64 128`, H200 2026-11-27). Not with softcap, whose kernel spills 232 bytes at 128.
@@ -691,7 +717,7 @@ def backward(
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
     rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
-    key = key + (rotate,)
+    key = key + (rotate, DQ_SCALE_AT_CAST)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -712,7 +738,8 @@ def backward(
     if not mha and not atomic:
         dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
         dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
-    grads = (dq_acc.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)
+    dq = cast_dq(dq_acc, q.dtype, softmax_scale if key[-1] else None)
+    grads = (dq, dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)
     if learnable_sink is None:
         return grads
     from hopper_fmha.backward import sink_gradient
@@ -813,6 +840,7 @@ def backward_varlen(
         True,
         tile_m,
         rotates(deterministic, 2, causal, left, right, max_seqlen_k, device),
+        DQ_SCALE_AT_CAST,
     )
     fn = _compiled.get(key)
     if fn is None:
@@ -825,7 +853,11 @@ def backward_varlen(
     if not mha and not atomic:
         dk = dk.view(total_k, kv_heads, group, d).sum(2)
         dv = dv.view(total_k, kv_heads, group, d).sum(2)
-    grads = (dq_acc[padded].to(q.dtype), dk.to(q.dtype), dv.to(q.dtype))
+    grads = (
+        cast_dq(dq_acc[padded], q.dtype, softmax_scale if key[-1] else None),
+        dk.to(q.dtype),
+        dv.to(q.dtype),
+    )
     if learnable_sink is None:
         return grads
     from hopper_fmha.backward import sink_gradient

@@ -124,6 +124,7 @@ class BwdWsSm90(BwdSm90):
         varlen: bool = False,
         tile_m: int = TILE_M,
         rotate: bool = False,
+        dq_unscaled: bool = False,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
@@ -157,6 +158,7 @@ class BwdWsSm90(BwdSm90):
         self.softcap = softcap
         self.varlen = varlen
         self.tile_m = tile_m
+        self.dq_unscaled = dq_unscaled  # `BwdSm90`'s: no softmax scale on dQ's parts
         # dQ per warpgroup: 64 rows x d / 2 columns (tile_m 64), or 64 of the 128 rows x d.
         self.dq_by_rows = tile_m == 2 * TILE_M
         # tile_m 80 (FA4's d128 non-causal tile): dQ = dS K has M = 80 queries, which WGMMA does
@@ -838,8 +840,9 @@ class BwdWsSm90(BwdSm90):
 
     @cute.jit
     def stage_dq(self, acc_dQ, sdQ, scale, tidx):
-        """scale * acc_dQ (this warpgroup's part of a query block's dQ, `dq_tile`) into its buffer
-        of sdQ, once the previous block's reduce-add has read it (`issue_dq`'s issuer waits)."""
+        """scale * acc_dQ (this warpgroup's part of a query block's dQ, `dq_tile`; no scale with
+        dq_unscaled) into its buffer of sdQ, once the previous block's reduce-add has read it
+        (`issue_dq`'s issuer waits)."""
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wtid = tidx % WARPGROUP
         # This warpgroup's accumulator is a one-warpgroup GEMM's of `dq_tile`.
@@ -855,7 +858,7 @@ class BwdWsSm90(BwdSm90):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            tdQsdQ[i] = acc_dQ[i] * scale
+            tdQsdQ[i] = acc_dQ[i] if const_expr(self.dq_unscaled) else acc_dQ[i] * scale
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
 
