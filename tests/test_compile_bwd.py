@@ -282,7 +282,12 @@ def test_d128_query_tile_80_compiles(cfg):
 
 @pytest.mark.parametrize(
     "d, causal, version, mha, tile_m",
-    [(128, False, 2, True, 80), (64, False, 2, False, 128), (128, True, 2, False, 64), (128, False, 1, True, 64)],
+    [
+        (128, False, 2, True, 80),
+        (64, False, 2, False, 128),
+        (128, True, 2, False, 64),
+        (128, False, 1, True, 64),
+    ],
     ids=["v2-d128-80", "v2-d64-128", "v2-d128-64-causal", "v1-d128"],
 )
 def test_dq_unscaled_drops_the_per_step_multiplies(d, causal, version, mha, tile_m):
