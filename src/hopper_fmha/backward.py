@@ -15,8 +15,7 @@ zero-padded copies, v's may differ), causal or not, MHA/GQA/MQA,
 deterministic or not, sliding windows, softcap and the learnable sink (whose gradient the host
 reduces from the kernel's row sums: `sink_gradient`; windows and softcap are the kernel's).
 `flash_attn_varlen_func` has the same backward through `hopper_fmha::varlen_bwd` (without
-seqused_k). Other head dims are
-refused before the forward runs, with the rule named.
+seqused_k). Other head dims are refused before the forward runs, with the rule named.
 """
 
 from __future__ import annotations

@@ -69,7 +69,9 @@ GRID_YZ_MAX = _GRID_YZ_MAX
 class BwdSm90:
     """Compile-time configuration of the first backward kernel; `__call__` launches it."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool = False, dq_unscaled=False):
+    def __init__(
+        self, dtype, head_dim: int, causal: bool, deterministic: bool = False, dq_unscaled: bool = False
+    ):
         assert head_dim in HEAD_DIMS, f"the first backward kernel takes head_dim {HEAD_DIMS}"
         self.dtype = dtype
         self.head_dim = head_dim
@@ -717,7 +719,8 @@ def backward(
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
     rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
-    key = key + (rotate, DQ_SCALE_AT_CAST)
+    dq_unscaled = DQ_SCALE_AT_CAST  # the kernel and the cast below agree on it
+    key = key + (rotate, dq_unscaled)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -738,7 +741,7 @@ def backward(
     if not mha and not atomic:
         dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
         dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
-    dq = cast_dq(dq_acc, q.dtype, softmax_scale if key[-1] else None)
+    dq = cast_dq(dq_acc, q.dtype, softmax_scale if dq_unscaled else None)
     grads = (dq, dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)
     if learnable_sink is None:
         return grads
@@ -834,13 +837,14 @@ def backward_varlen(
         # A counter per query block of any sequence: sized by total_q, not max_seqlen_q, so that a
         # max_seqlen_q below the truth (unchecked under graph capture) cannot index past them.
         sem = torch.zeros(batch, heads, max(1, -(-total_q // tile_m)), device=device, dtype=torch.int32)
+    dq_unscaled = DQ_SCALE_AT_CAST  # the kernel and the cast below agree on it
     key = (dtype_name, d, bool(causal), bool(deterministic), 2, mha, atomic, left >= 0, right >= 0)
     key = key + (
         bool(softcap),
         True,
         tile_m,
         rotates(deterministic, 2, causal, left, right, max_seqlen_k, device),
-        DQ_SCALE_AT_CAST,
+        dq_unscaled,
     )
     fn = _compiled.get(key)
     if fn is None:
@@ -854,7 +858,7 @@ def backward_varlen(
         dk = dk.view(total_k, kv_heads, group, d).sum(2)
         dv = dv.view(total_k, kv_heads, group, d).sum(2)
     grads = (
-        cast_dq(dq_acc[padded], q.dtype, softmax_scale if key[-1] else None),
+        cast_dq(dq_acc[padded], q.dtype, softmax_scale if dq_unscaled else None),
         dk.to(q.dtype),
         dv.to(q.dtype),
     )
