@@ -24,11 +24,13 @@ from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
 T64 = sm90_bwd.query_tile(2, 64)
 
 
-def dense_kernel(launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False):
+def dense_kernel(
+    launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False, dq_unscaled=False
+):
     """A stand-in for a compiled backward kernel: the same 18 arguments, its part of the work
     done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks;
     the mask and softcap the compile key names, their sizes from the launch), written where the
-    kernel writes."""
+    kernel writes; dQacc without the softmax scale where the key says so (`DQ_SCALE_AT_CAST`)."""
 
     def run(
         q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group, left, right, softcap, cu_q, cu_k, max_k
@@ -54,7 +56,7 @@ def dense_kernel(launches, atomic: bool, causal: bool, window_sides=(False, Fals
         p = torch.where(seen, torch.exp2(s * math.log2(math.e) - lse2.double()[..., None]), 0.0)
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
         ds = p * (dp - delta.double()[..., None]) * dtanh
-        dq_acc += (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale).float()
+        dq_acc += (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * (1.0 if dq_unscaled else scale)).float()
         dk_heads = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
         dv_heads = torch.einsum("bhqk,bqhd->bkhd", p, dout.double())
         if not atomic:  # per q head (or MHA): stored
@@ -88,9 +90,9 @@ def kernels(monkeypatch):
     def compile_bwd(*key):
         keys.append(key)
         # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
-        # tile_m)
+        # tile_m, rotate, dq_unscaled)
         assert key[10] is False
-        return binding_checked(key, dense_kernel(launches, key[6], key[2], key[7:9], key[9]))
+        return binding_checked(key, dense_kernel(launches, key[6], key[2], key[7:9], key[9], key[13]))
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
     monkeypatch.setattr(bwd_preprocess, "_compiled", {})
@@ -152,6 +154,7 @@ def test_launch_matches_the_kernel_signature(kernels):
             False,
             T64,
             False,
+            False,
         )
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
@@ -177,6 +180,21 @@ def test_gradients_and_their_types(kernels, kv_heads, deterministic, version):
     for ours, ref in zip((dq, dk, dv), reference_grads(q, k, v, dout), strict=True):
         assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_dq_scale_at_cast(kernels, monkeypatch, version):
+    # `DQ_SCALE_AT_CAST`: the compile key asks for an unscaled dQacc (the stand-in leaves the scale
+    # out as the kernel then does) and the host's cast applies it: the same gradients.
+    launches, keys = kernels
+    monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", True)
+    q, k, v, out, dout, lse = inputs(kv_heads=2)
+    dq, dk, dv = sm90_bwd.backward(q, k, v, out, dout, lse, 64**-0.5, False, version=version)
+    assert keys[-1][13] is True
+    ref = reference_grads(q, k, v, dout)
+    for ours, r in zip((dq, dk, dv), ref, strict=True):
+        assert ours.dtype == torch.bfloat16 and ours.is_contiguous()
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
 
 
 def test_deterministic_gets_zeroed_semaphores(kernels):
@@ -298,7 +316,13 @@ def test_row_stats_are_padded_to_whole_blocks(kernels, monkeypatch, kernel):
 
 
 def varlen_kernel(
-    launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False, tile=64
+    launches,
+    atomic: bool,
+    causal: bool,
+    window_sides=(False, False),
+    softcap_on=False,
+    tile=64,
+    dq_unscaled=False,
 ):
     """A stand-in for the varlen backward kernel: per sequence b, its query rows read from and added
     into the padded buffers from (cu_seqlens_q[b] + tile_m b) rounded down to a multiple of tile_m
@@ -341,7 +365,9 @@ def varlen_kernel(
             p = torch.where(seen, torch.exp2(s * math.log2(math.e) - lse_rows[..., None]), 0.0)
             dp = torch.einsum("qhd,khd->hqk", do, vv)
             ds = p * (dp - d_rows[..., None]) * dtanh
-            dq_acc[p0 : p0 + rows] += (torch.einsum("hqk,khd->qhd", ds, kk) * scale).float()
+            dq_acc[p0 : p0 + rows] += (
+                torch.einsum("hqk,khd->qhd", ds, kk) * (1.0 if dq_unscaled else scale)
+            ).float()
             dk_heads = torch.einsum("hqk,qhd->khd", ds, qq) * scale
             dv_heads = torch.einsum("hqk,qhd->khd", p, do)
             if not atomic:
@@ -362,7 +388,9 @@ def varlen_kernels(monkeypatch):
     def compile_bwd(*key):
         keys.append(key)
         assert key[4] == 2 and key[10] is True  # version 2, varlen
-        return binding_checked(key, varlen_kernel(launches, key[6], key[2], key[7:9], key[9], key[11]))
+        return binding_checked(
+            key, varlen_kernel(launches, key[6], key[2], key[7:9], key[9], key[11], key[13])
+        )
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
     return launches, keys
@@ -427,6 +455,13 @@ def test_varlen_gradients(varlen_kernels, causal, features, kv_heads, determinis
     for name, ours, r in zip(("dq", "dk", "dv", "dsink"), grads, ref, strict=False):
         assert ours.shape == r.shape, name
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_varlen_dq_scale_at_cast(varlen_kernels, monkeypatch):
+    # `DQ_SCALE_AT_CAST` through the varlen host: the padded dQacc gathered, then scaled and cast.
+    monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", True)
+    test_varlen_gradients(varlen_kernels, True, {}, 2, False)
+    assert varlen_kernels[1][-1][13] is True
 
 
 @pytest.mark.parametrize("tile", [64, 128])
