@@ -68,6 +68,12 @@ def main():
         default=None,
         help="dQ's softmax scale applied as the host casts dQacc (sm90_bwd.DQ_SCALE_AT_CAST), or per step",
     )
+    parser.add_argument(
+        "--dq-fragments",
+        choices=("on", "off"),
+        default=None,
+        help="d128 tile 80: dQ staged and added in fragment order (sm90_bwd.DQ_FRAGMENTS), or as now",
+    )
     parser.add_argument("--ncu", action="store_true", help="one call, no timing (v2 at the first --tile-m)")
     parser.add_argument(
         "--tile-m",
@@ -82,6 +88,8 @@ def main():
         sm90_bwd_ws.DKV_TMA_TILES = tuple(args.dkv_tma)
     if args.dq_at_cast is not None:
         sm90_bwd.DQ_SCALE_AT_CAST = args.dq_at_cast == "on"
+    if args.dq_fragments is not None:
+        sm90_bwd.DQ_FRAGMENTS = args.dq_fragments == "on"
     q, k, v, out, dout, lse = inputs(args)
     scale = args.d**-0.5
     fmul = 2.5 * 4 * args.batch * args.heads * args.seqlen**2 * args.d / (2 if args.causal else 1)

@@ -24,13 +24,48 @@ from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
 T64 = sm90_bwd.query_tile(2, 64)
 
 
+def fragment_index(rows: int):
+    """Where d128's 80-query tile puts dQ^T in the fragment-ordered dQacc (`sm90_bwd.DQ_FRAGMENTS`),
+    derived from the kernel's side: for each (row, d) of one head's (rows, 128) buffer, the flat
+    index into that buffer. Block m, warpgroup wg, thread 32 warp + lane, accumulator value
+    4 j + 2 h2 + e (SM90's accumulator: row d = 64 wg + 16 warp + 8 h2 + lane // 4, column
+    q = 80 m + 8 j + 2 (lane % 4) + e) sits at m 10240 + wg 5120 + 512 j + 4 thread + 2 h2 + e."""
+    q = torch.arange(rows)[:, None]
+    d = torch.arange(128)[None, :]
+    m, qq = q // 80, q % 80
+    j, lr, e = qq // 8, (qq % 8) // 2, qq % 2
+    wg, dd = d // 64, d % 64
+    warp, h2, lq = dd // 16, (dd % 16) // 8, dd % 8
+    thread = 32 * warp + 4 * lq + lr
+    return m * 10240 + wg * 5120 + 512 * j + 4 * thread + 2 * h2 + e
+
+
+def add_fragments(dq_acc, part):
+    """dQacc += part as the fragment-ordered kernel adds it: dq_acc is the (b, s_q, h, d) view the
+    host passes, of a (b, h, blocks * 80, d) buffer (`sm90_bwd.backward`)."""
+    b, sq, h, d = dq_acc.shape
+    rows = -(-sq // 80) * 80
+    buf = dq_acc.as_strided((b, h, rows * d), (dq_acc.stride(0), dq_acc.stride(2), 1))
+    index = fragment_index(rows)[:sq].reshape(-1)
+    for bi in range(b):
+        for hi in range(h):
+            buf[bi, hi].index_add_(0, index, part[bi, :, hi].reshape(-1).to(buf.dtype))
+
+
 def dense_kernel(
-    launches, atomic: bool, causal: bool, window_sides=(False, False), softcap_on=False, dq_unscaled=False
+    launches,
+    atomic: bool,
+    causal: bool,
+    window_sides=(False, False),
+    softcap_on=False,
+    dq_unscaled=False,
+    dq_fragments=False,
 ):
     """A stand-in for a compiled backward kernel: the same 18 arguments, its part of the work
     done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks;
     the mask and softcap the compile key names, their sizes from the launch), written where the
-    kernel writes; dQacc without the softmax scale where the key says so (`DQ_SCALE_AT_CAST`)."""
+    kernel writes; dQacc without the softmax scale where the key says so (`DQ_SCALE_AT_CAST`), in
+    fragment order where it says so (`DQ_FRAGMENTS`)."""
 
     def run(
         q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group, left, right, softcap, cu_q, cu_k, max_k
@@ -56,7 +91,11 @@ def dense_kernel(
         p = torch.where(seen, torch.exp2(s * math.log2(math.e) - lse2.double()[..., None]), 0.0)
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
         ds = p * (dp - delta.double()[..., None]) * dtanh
-        dq_acc += (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * (1.0 if dq_unscaled else scale)).float()
+        dq_part = (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * (1.0 if dq_unscaled else scale)).float()
+        if dq_fragments:
+            add_fragments(dq_acc, dq_part)
+        else:
+            dq_acc += dq_part
         dk_heads = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
         dv_heads = torch.einsum("bhqk,bqhd->bkhd", p, dout.double())
         if not atomic:  # per q head (or MHA): stored
@@ -90,9 +129,9 @@ def kernels(monkeypatch):
     def compile_bwd(*key):
         keys.append(key)
         # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
-        # tile_m, rotate, dq_unscaled)
+        # tile_m, rotate, dq_unscaled, dq_fragments)
         assert key[10] is False
-        return binding_checked(key, dense_kernel(launches, key[6], key[2], key[7:9], key[9], key[13]))
+        return binding_checked(key, dense_kernel(launches, key[6], key[2], key[7:9], key[9], *key[13:15]))
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
     monkeypatch.setattr(bwd_preprocess, "_compiled", {})
@@ -155,6 +194,7 @@ def test_launch_matches_the_kernel_signature(kernels):
             T64,
             False,
             False,
+            False,
         )
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
@@ -195,6 +235,42 @@ def test_dq_scale_at_cast(kernels, monkeypatch, version):
     for ours, r in zip((dq, dk, dv), ref, strict=True):
         assert ours.dtype == torch.bfloat16 and ours.is_contiguous()
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+
+
+def test_fragment_order_round_trip():
+    # `dq_from_fragments` undoes the kernel's fragment order (`fragment_index`): every element back
+    # in its place, the padded rows cut.
+    g = torch.Generator().manual_seed(3)
+    dense = torch.randn(2, 160, 3, 128, generator=g)
+    buf = torch.zeros(2, 3, 160 * 128)
+    index = fragment_index(160).reshape(-1)
+    for b in range(2):
+        for h in range(3):
+            buf[b, h, index] = dense[b, :, h].reshape(-1)
+    assert sorted(index.tolist()) == list(range(160 * 128))  # a permutation
+    out = sm90_bwd.dq_from_fragments(buf.view(2, 3, 160, 128), 151)
+    assert torch.equal(out, dense[:, :151])
+
+
+@pytest.mark.parametrize("unscaled", [False, True], ids=["scaled", "unscaled"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_dq_fragments(kernels, monkeypatch, kv_heads, deterministic, unscaled):
+    # `DQ_FRAGMENTS` (d128's 80-query tile, dense): the host lays dQacc out per head in whole
+    # blocks, the stand-in adds in the kernel's fragment order, the host puts it back in order
+    # (and scales it, with `DQ_SCALE_AT_CAST`): the reference's gradients, contiguous. Other
+    # tiles (causal: 64) keep the plain dQacc.
+    launches, keys = kernels
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", True)
+    monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", unscaled)
+    q, k, v, out, dout, lse = inputs(sq=170, sk=150, kv_heads=kv_heads, d=128)
+    grads = sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, False, deterministic=deterministic)
+    assert keys[-1][11] == 80 and keys[-1][13:15] == (unscaled, True)
+    for ours, ref in zip(grads, reference_grads(q, k, v, dout), strict=True):
+        assert ours.dtype == torch.bfloat16 and ours.is_contiguous()
+        torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+    sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, True)
+    assert keys[-1][11] == 64 and keys[-1][14] is False
 
 
 def test_deterministic_gets_zeroed_semaphores(kernels):

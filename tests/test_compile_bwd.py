@@ -301,3 +301,33 @@ def test_dq_unscaled_drops_the_per_step_multiplies(d, causal, version, mha, tile
     fmuls = [len(re.findall(r"\bFMUL\b", sass_or_skip(c))) for c in (plain, unscaled)]
     per_thread = tile_m * d // 2 // 128 if version == 2 else 64 * d // 128
     assert fmuls[0] - fmuls[1] == per_thread
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "deterministic"])
+def test_dq_fragments_stage_in_16_byte_stores(deterministic):
+    # `sm90_bwd.DQ_FRAGMENTS` (off by default; session 25, not yet run on a GPU), d128 tile 80:
+    # each warpgroup's dQ^T part leaves as 10 STS.128 (40 values a thread) and one 1-D bulk
+    # reduce-add (UBLKRED), in place of 40 4-byte stores into the swizzled buffer and a TMA
+    # reduce-add; the staging's address registers go, and with them most of the tile's spill.
+    key = (
+        "bfloat16",
+        128,
+        False,
+        deterministic,
+        2,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        80,
+        False,
+        False,
+    )
+    plain, frag = bwd_cubin(*key, False), bwd_cubin(*key, True)
+    texts = [sass_or_skip(c) for c in (plain, frag)]
+    assert texts[1].count("STS.128") == 10 and len(re.findall(r"\bSTS\b(?!\.)", texts[1])) == 0
+    assert "UBLKRED.G.S.ADD.F32" in texts[1] and "UTMAREDG" not in texts[1]
+    assert texts[0].count("STS.128") == 0 and "UTMAREDG" in texts[0]
+    assert stack_bytes(frag) <= 8 < stack_bytes(plain)

@@ -469,12 +469,14 @@ def compile_bwd(
     tile_m: int = TILE,
     rotate: bool = False,
     dq_unscaled: bool = False,
+    dq_fragments: bool = False,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
     window_left/right, softcap: the score features the kernel handles; varlen: packed sequences;
     tile_m: queries per step (`query_tile`); rotate: the deterministic walk (`rotates`) (version 2
-    only); dq_unscaled: dQacc without the softmax scale (`DQ_SCALE_AT_CAST`).
+    only); dq_unscaled: dQacc without the softmax scale (`DQ_SCALE_AT_CAST`); dq_fragments: dQacc in
+    fragment order (`DQ_FRAGMENTS`).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
@@ -483,13 +485,14 @@ def compile_bwd(
 
         kernel = BwdWsSm90(
             dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen,
-            tile_m, rotate, dq_unscaled,
+            tile_m, rotate, dq_unscaled, dq_fragments,
         )  # fmt: skip
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
         assert not (window_left or window_right or softcap or varlen), "version 1: no window, softcap, varlen"
         assert tile_m == TILE, "version 1 steps 64 queries"
         assert not rotate, "version 1: no rotated deterministic walk"
+        assert not dq_fragments, "version 1: dQ by atomics"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic, dq_unscaled)
     return cute.compile(
         kernel, *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic, varlen), options=opts
@@ -503,6 +506,27 @@ _compiled: dict = {}
 # the kernel issues about one warp-instruction per scheduler every 4 cycles in both. Off: built in
 # session 25 without a GPU (compile tier only). Part of the compile key (`_compiled`).
 DQ_SCALE_AT_CAST = False
+# d128's 80-query tile (dense): each warpgroup stages its dQ^T part in the accumulator's own order
+# (16-byte stores; the swizzled TMA buffer takes the transposed values one 4-byte store each: ncu
+# v25, 34 M STS against FA4's 8.5 M STS.128) and adds it by one 1-D bulk reduce-add into a dQacc laid
+# out per (batch, head) and block, which `dq_from_fragments` puts back in order for the cast. Off:
+# built in session 25 without a GPU (compile tier and host only). Part of the compile key.
+DQ_FRAGMENTS = False
+
+
+def dq_from_fragments(buf, seqlen_q: int):
+    """(b, s_q, h, d) from the fragment-ordered fp32 dQacc `buf` (b, h, blocks * 80, 128) of d128's
+    80-query tile (a strided view: `cast_dq` writes it out in order). Block m, warpgroup wg holds
+    [value k // 4][thread][value % 4] with thread = 32 warp + lane; accumulator value
+    4 j + 2 h2 + e of (warp, lane) is dQ^T's row d = 64 wg + 16 warp + 8 h2 + lane // 4, column
+    (query) 80 m + 8 j + 2 (lane % 4) + e (the SM90 accumulator's layout, dQ^T = K^T dS^T)."""
+    b, h, rows, d = buf.shape
+    assert d == 128 and rows % 80 == 0
+    # (b, h, m, wg, j, warp, lane // 4, lane % 4, h2, e)
+    t = buf.view(b, h, rows // 80, 2, 10, 4, 8, 4, 2, 2)
+    # -> (b, m, j, lane % 4, e | h | wg, warp, h2, lane // 4)
+    t = t.permute(0, 2, 4, 7, 9, 1, 3, 5, 8, 6)
+    return t.reshape(b, rows, h, d)[:, :seqlen_q]
 
 
 def cast_dq(dq_acc, dtype, scale: float | None):
@@ -510,10 +534,10 @@ def cast_dq(dq_acc, dtype, scale: float | None):
     cast in one elementwise pass (torch computes in fp32 and rounds once on the write)."""
     import torch
 
-    if scale is None:
+    if scale is None and dq_acc.is_contiguous():
         return dq_acc.to(dtype)
     dq = torch.empty(dq_acc.shape, device=dq_acc.device, dtype=dtype)
-    return torch.mul(dq_acc, scale, out=dq)
+    return dq.copy_(dq_acc) if scale is None else torch.mul(dq_acc, scale, out=dq)
 
 
 # v2's query tile at d64: 64, or 128 (FA4's d64 tile: twice the GEMM work per step for the same
@@ -703,7 +727,13 @@ def backward(
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))  # no copy where already contiguous
     tile_m = query_tile(version, d, bool(softcap), causal or left >= 0 or right >= 0)
     delta, lse2 = row_stats(out, dout, lse, dlse, tile_m)
-    dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
+    # The kernel and the host below agree on these two (both in the compile key).
+    dq_unscaled, dq_fragments = DQ_SCALE_AT_CAST, DQ_FRAGMENTS and version == 2 and tile_m == 80
+    if dq_fragments:  # per (batch, head), whole blocks: each block's fragments contiguous
+        frag = torch.zeros(batch, heads, -(-seqlen_q // 80) * 80, d, device=q.device, dtype=torch.float32)
+        dq_acc = frag.transpose(1, 2)[:, :seqlen_q]
+    else:
+        dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
     # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;
@@ -719,8 +749,7 @@ def backward(
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
     rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
-    dq_unscaled = DQ_SCALE_AT_CAST  # the kernel and the cast below agree on it
-    key = key + (rotate, dq_unscaled)
+    key = key + (rotate, dq_unscaled, dq_fragments)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -741,7 +770,11 @@ def backward(
     if not mha and not atomic:
         dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
         dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
-    dq = cast_dq(dq_acc, q.dtype, softmax_scale if dq_unscaled else None)
+    dq = cast_dq(
+        dq_from_fragments(frag, seqlen_q) if dq_fragments else dq_acc,
+        q.dtype,
+        softmax_scale if dq_unscaled else None,
+    )
     grads = (dq, dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)
     if learnable_sink is None:
         return grads
@@ -845,6 +878,7 @@ def backward_varlen(
         tile_m,
         rotates(deterministic, 2, causal, left, right, max_seqlen_k, device),
         dq_unscaled,
+        False,  # dq_fragments: dense only
     )
     fn = _compiled.get(key)
     if fn is None:

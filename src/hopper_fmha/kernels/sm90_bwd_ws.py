@@ -77,6 +77,7 @@ from .sm90_common import (
     LOG2_E,
     acc_mn_layout,
     acc_to_operand_a_layout,
+    bulk_reduce_add_f32,
     convert,
     gemm,
     smem_layout,
@@ -125,6 +126,7 @@ class BwdWsSm90(BwdSm90):
         tile_m: int = TILE_M,
         rotate: bool = False,
         dq_unscaled: bool = False,
+        dq_fragments: bool = False,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
@@ -159,6 +161,9 @@ class BwdWsSm90(BwdSm90):
         self.varlen = varlen
         self.tile_m = tile_m
         self.dq_unscaled = dq_unscaled  # `BwdSm90`'s: no softmax scale on dQ's parts
+        # dQ leaves in fragment order (`stage_dq`, `issue_dq`): tile_m 80, dense (`sm90_bwd.DQ_FRAGMENTS`).
+        assert not dq_fragments or (tile_m == 80 and not varlen), "dq_fragments: tile_m 80, dense"
+        self.dq_fragments = dq_fragments
         # dQ per warpgroup: 64 rows x d / 2 columns (tile_m 64), or 64 of the 128 rows x d.
         self.dq_by_rows = tile_m == 2 * TILE_M
         # tile_m 80 (FA4's d128 non-causal tile): dQ = dS K has M = 80 queries, which WGMMA does
@@ -253,9 +258,12 @@ class BwdWsSm90(BwdSm90):
         # TMA reduce-add (rows past the end clipped by the TMA unit).
         dq_layout = smem_layout(Float32, *self.dq_tile, 2)
         dq_box = self.dq_tile
-        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]), dq_box
-        )
+        if const_expr(self.dq_fragments):  # a 1-D bulk reduce-add of each warpgroup's fragments
+            tma_atom_dQ, tma_dQ = None, mdQacc
+        else:
+            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]), dq_box
+            )
 
         # dK, dV in the inputs' type at q heads (MHA, dense): through sK / sV (free once the last
         # block's GEMMs are done) and a TMA store each, instead of 2-byte stores from registers.
@@ -314,7 +322,7 @@ class BwdWsSm90(BwdSm90):
         mLSE: cute.Tensor,
         tma_atom_D: cute.CopyAtom,
         mD: cute.Tensor,
-        tma_atom_dQ: cute.CopyAtom,
+        tma_atom_dQ: cute.CopyAtom | None,
         mdQacc: cute.Tensor,
         tma_atom_dK: cute.CopyAtom | None,
         mdK: cute.Tensor,
@@ -393,7 +401,10 @@ class BwdWsSm90(BwdSm90):
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
         rows_layout = cute.make_layout((self.tile_m, STAGES), stride=(1, self.rows_stride))
         sLSE, sD = storage.sLSE.get_tensor(rows_layout), storage.sD.get_tensor(rows_layout)
-        sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
+        if const_expr(self.dq_fragments):
+            sdQ = storage.sdQ.get_tensor(self.dq_fragment_layout())
+        else:
+            sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(REGISTERS[0])
@@ -838,6 +849,15 @@ class BwdWsSm90(BwdSm90):
         """`BwdSm90.wait_turn` and `pass_turn` (inherited) sync the two consumer warpgroups only."""
         cute.arch.barrier(barrier_id=BARRIER_TURN, number_of_threads=NUM_MMA_THREADS)
 
+    def dq_fragment_layout(self):
+        """sdQ in fragment order: (4 values, 128 threads, values / 4, warpgroup), so that a thread's
+        accumulator values 4k..4k+3 are one 16-byte store and a warp's stores 512 contiguous bytes
+        (`dq_fragments`). The same size as the swizzled buffer."""
+        per_thread = self.dq_tile[0] * self.dq_tile[1] // WARPGROUP
+        return cute.make_layout(
+            (4, WARPGROUP, per_thread // 4, 2), stride=(1, 4, 4 * WARPGROUP, per_thread * WARPGROUP)
+        )
+
     @cute.jit
     def stage_dq(self, acc_dQ, sdQ, scale, tidx):
         """scale * acc_dQ (this warpgroup's part of a query block's dQ, `dq_tile`; no scale with
@@ -845,20 +865,38 @@ class BwdWsSm90(BwdSm90):
         (`issue_dq`'s issuer waits)."""
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wtid = tidx % WARPGROUP
-        # This warpgroup's accumulator is a one-warpgroup GEMM's of `dq_tile`.
-        half_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=self.dq_mma_tile,
-        )  # fmt: skip
-        sdQ_wg = sdQ[None, None, wg]
-        if const_expr(self.dq_swapped):  # the buffer seen as (d / 2, tile_m): dQ^T's shape
-            sdQ_wg = cute.composition(sdQ_wg, cute.make_ordered_layout(self.dq_mma_tile, order=(1, 0)))
-        tdQsdQ = half_mma.get_slice(wtid).partition_C(sdQ_wg)
+        if const_expr(self.dq_fragments):
+            self.stage_dq_fragments(acc_dQ, sdQ, scale, wg, wtid)
+        else:
+            # This warpgroup's accumulator is a one-warpgroup GEMM's of `dq_tile`.
+            half_mma = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
+                atom_layout_mnk=(1, 1, 1), tiler_mn=self.dq_mma_tile,
+            )  # fmt: skip
+            sdQ_wg = sdQ[None, None, wg]
+            if const_expr(self.dq_swapped):  # the buffer seen as (d / 2, tile_m): dQ^T's shape
+                sdQ_wg = cute.composition(sdQ_wg, cute.make_ordered_layout(self.dq_mma_tile, order=(1, 0)))
+            tdQsdQ = half_mma.get_slice(wtid).partition_C(sdQ_wg)
+            if wtid < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                tdQsdQ[i] = acc_dQ[i] if const_expr(self.dq_unscaled) else acc_dQ[i] * scale
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
+
+    @cute.jit
+    def stage_dq_fragments(self, acc_dQ, sdQ, scale, wg, wtid):
+        """`stage_dq` in fragment order (`dq_fragment_layout`): 16-byte stores, no swizzle."""
         if wtid < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            tdQsdQ[i] = acc_dQ[i] if const_expr(self.dq_unscaled) else acc_dQ[i] * scale
+        for k in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
+            vals = cute.make_rmem_tensor((4,), Float32)
+            for c in cutlass.range_constexpr(4):
+                v = acc_dQ[4 * k + c]
+                vals[c] = v if const_expr(self.dq_unscaled) else v * scale
+            cute.autovec_copy(vals, sdQ[None, wtid, k, wg])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
 
@@ -868,19 +906,31 @@ class BwdWsSm90(BwdSm90):
         by the warpgroup's first warp, in flight while the loop goes on (deterministic: the turn
         passes once its writes are done, `release_turn`)."""
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        if tidx % WARPGROUP < 32:
-            if const_expr(self.deterministic):
-                # The turn was acquired by a generic-proxy load; the reduce-add is an async-proxy
-                # write: the PTX memory model orders the two only through a proxy fence.
-                cute.arch.fence_proxy("async.global")
-            sdQ_wg = sdQ[None, None, wg]
-            # This warpgroup's part: rows of the block's second half (by rows), or columns.
-            part = (m_block * 2 + wg, 0) if const_expr(self.dq_by_rows) else (m_block, wg)
-            gdQ = cute.local_tile(self.padded_rows(mdQacc, head, batch, seqlen), self.dq_tile, part)
-            s_grouped, g_grouped = cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
-            tdQs, tdQg = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), s_grouped, g_grouped)
-            cute.copy(tma_atom_dQ, tdQs, tdQg)
-            cute.arch.cp_async_bulk_commit_group()
+        if const_expr(self.dq_fragments):
+            # Fragment order: the warpgroup's buffer, whole, onto its 16-byte-aligned half of the
+            # block's dQacc rows (contiguous: the host lays dQacc out per head, `sm90_bwd`).
+            if tidx % WARPGROUP == 0:
+                if const_expr(self.deterministic):
+                    cute.arch.fence_proxy("async.global")  # as below
+                gdQ = mdQacc[None, None, head, batch]
+                count = cute.size(sdQ, mode=[0]) * cute.size(sdQ, mode=[1]) * cute.size(sdQ, mode=[2])
+                dst = gdQ.iterator + cute.crd2idx((m_block * self.tile_m, 0), gdQ.layout) + wg * count
+                bulk_reduce_add_f32(dst, sdQ[None, None, None, wg].iterator, count * 4)
+                cute.arch.cp_async_bulk_commit_group()
+        else:
+            if tidx % WARPGROUP < 32:
+                if const_expr(self.deterministic):
+                    # The turn was acquired by a generic-proxy load; the reduce-add is an async-proxy
+                    # write: the PTX memory model orders the two only through a proxy fence.
+                    cute.arch.fence_proxy("async.global")
+                sdQ_wg = sdQ[None, None, wg]
+                # This warpgroup's part: rows of the block's second half (by rows), or columns.
+                part = (m_block * 2 + wg, 0) if const_expr(self.dq_by_rows) else (m_block, wg)
+                gdQ = cute.local_tile(self.padded_rows(mdQacc, head, batch, seqlen), self.dq_tile, part)
+                s_grouped, g_grouped = cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
+                tdQs, tdQg = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), s_grouped, g_grouped)
+                cute.copy(tma_atom_dQ, tdQs, tdQg)
+                cute.arch.cp_async_bulk_commit_group()
 
     def dkv_by_tma(self, mdK) -> bool:
         """dK, dV leave through shared memory and TMA stores: written in the inputs' type at q

@@ -129,6 +129,26 @@ def as_int32(x: Float32, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
+@dsl_user_op
+def bulk_reduce_add_f32(gmem_ptr, smem_ptr, nbytes: int, *, loc=None, ip=None):
+    """gmem[:n] += smem[:n], n = nbytes / 4 fp32 values, contiguous on both sides (16-byte aligned,
+    nbytes a multiple of 16): one cp.reduce.async.bulk in the calling thread's bulk async-group
+    (commit and wait as for TMA stores)."""
+    llvm.inline_asm(
+        None,
+        [
+            gmem_ptr.llvm_ptr,
+            smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+            Int32(nbytes).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 @cute.jit
 def pinned_wait_group(p: Float32):
     """wait_group(0) that ptxas keeps after `p` is computed: both arms of a branch on p wait.
