@@ -248,8 +248,13 @@ def test_fragment_order_round_trip():
         for h in range(3):
             buf[b, h, index] = dense[b, :, h].reshape(-1)
     assert sorted(index.tolist()) == list(range(160 * 128))  # a permutation
-    out = sm90_bwd.dq_from_fragments(buf.view(2, 3, 160, 128), 151)
-    assert torch.equal(out, dense[:, :151])
+    for sq in (151, 160, 80, 1):
+        rows = -(-sq // 80) * 80
+        part = buf.view(2, 3, 160, 128)[:, :, :rows]
+        out = sm90_bwd.dq_from_fragments(part, sq, torch.float32, None)
+        assert out.is_contiguous() and torch.equal(out, dense[:, :sq])
+    scaled = sm90_bwd.dq_from_fragments(buf.view(2, 3, 160, 128), 151, torch.bfloat16, 0.5)
+    assert scaled.dtype == torch.bfloat16 and torch.equal(scaled, (dense[:, :151] * 0.5).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("unscaled", [False, True], ids=["scaled", "unscaled"])

@@ -514,19 +514,34 @@ DQ_SCALE_AT_CAST = False
 DQ_FRAGMENTS = False
 
 
-def dq_from_fragments(buf, seqlen_q: int):
-    """(b, s_q, h, d) from the fragment-ordered fp32 dQacc `buf` (b, h, blocks * 80, 128) of d128's
-    80-query tile (a strided view: `cast_dq` writes it out in order). Block m, warpgroup wg holds
+def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None):
+    """dQ (b, s_q, h, d) in `dtype`, contiguous, from the fragment-ordered fp32 dQacc `buf`
+    (b, h, blocks * 80, 128) of d128's 80-query tile, times `scale` where given: one elementwise
+    pass (fp32 math, one rounding) from a permuted view of `buf` into dQ's whole blocks, and the
+    last, partial block through a one-block buffer. Block m, warpgroup wg holds
     [value k // 4][thread][value % 4] with thread = 32 warp + lane; accumulator value
     4 j + 2 h2 + e of (warp, lane) is dQ^T's row d = 64 wg + 16 warp + 8 h2 + lane // 4, column
     (query) 80 m + 8 j + 2 (lane % 4) + e (the SM90 accumulator's layout, dQ^T = K^T dS^T)."""
+    import torch
+
     b, h, rows, d = buf.shape
-    assert d == 128 and rows % 80 == 0
+    assert d == 128 and rows % 80 == 0 and rows - 80 < seqlen_q <= rows
     # (b, h, m, wg, j, warp, lane // 4, lane % 4, h2, e)
-    t = buf.view(b, h, rows // 80, 2, 10, 4, 8, 4, 2, 2)
-    # -> (b, m, j, lane % 4, e | h | wg, warp, h2, lane // 4)
-    t = t.permute(0, 2, 4, 7, 9, 1, 3, 5, 8, 6)
-    return t.reshape(b, rows, h, d)[:, :seqlen_q]
+    # -> (b, m, j, lane % 4, e | h | wg, warp, h2, lane // 4): dQ's (b, s, h, d), split
+    src = buf.view(b, h, rows // 80, 2, 10, 4, 8, 4, 2, 2).permute(0, 2, 4, 7, 9, 1, 3, 5, 8, 6)
+
+    def write(dst, part):
+        return dst.copy_(part) if scale is None else torch.mul(part, scale, out=dst)
+
+    dq = torch.empty(b, seqlen_q, h, d, device=buf.device, dtype=dtype)
+    full = seqlen_q // 80
+    if full:
+        write(dq[:, : full * 80].view(b, full, 10, 4, 2, h, 2, 4, 2, 8), src[:, :full])
+    if full * 80 < seqlen_q:
+        last = torch.empty(b, 80, h, d, device=buf.device, dtype=dtype)
+        write(last.view(b, 1, 10, 4, 2, h, 2, 4, 2, 8), src[:, full:])
+        dq[:, full * 80 :] = last[:, : seqlen_q - full * 80]
+    return dq
 
 
 def cast_dq(dq_acc, dtype, scale: float | None):
@@ -534,10 +549,10 @@ def cast_dq(dq_acc, dtype, scale: float | None):
     cast in one elementwise pass (torch computes in fp32 and rounds once on the write)."""
     import torch
 
-    if scale is None and dq_acc.is_contiguous():
+    if scale is None:
         return dq_acc.to(dtype)
     dq = torch.empty(dq_acc.shape, device=dq_acc.device, dtype=dtype)
-    return dq.copy_(dq_acc) if scale is None else torch.mul(dq_acc, scale, out=dq)
+    return torch.mul(dq_acc, scale, out=dq)
 
 
 # v2's query tile at d64: 64, or 128 (FA4's d64 tile: twice the GEMM work per step for the same
@@ -770,11 +785,11 @@ def backward(
     if not mha and not atomic:
         dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
         dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
-    dq = cast_dq(
-        dq_from_fragments(frag, seqlen_q) if dq_fragments else dq_acc,
-        q.dtype,
-        softmax_scale if dq_unscaled else None,
-    )
+    scale = softmax_scale if dq_unscaled else None
+    if dq_fragments:
+        dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale)
+    else:
+        dq = cast_dq(dq_acc, q.dtype, scale)
     grads = (dq, dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)
     if learnable_sink is None:
         return grads
