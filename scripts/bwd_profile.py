@@ -7,6 +7,7 @@ runs one call only, for `ncu --kernel-name regex:BwdWsSm90`.
     python scripts/bwd_profile.py --d 64 --heads 32 --versions 2 --tile-m 64 128  # d64's query tile
     python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --tile-m 64 80  # d128's
     python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --tile-m 64 80 --dkv-tma  # dK, dV stores
+    python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide  # the d256 kernel (off by default)
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def main():
         default=None,
         help="d128 tile 80: dQ staged and added in fragment order (sm90_bwd.DQ_FRAGMENTS), or as now",
     )
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="head dims past 128 on the d256 kernel (backward.WIDE_BACKWARD; padded below 256)",
+    )
     parser.add_argument("--ncu", action="store_true", help="one call, no timing (v2 at the first --tile-m)")
     parser.add_argument(
         "--tile-m",
@@ -90,6 +96,10 @@ def main():
         sm90_bwd.DQ_SCALE_AT_CAST = args.dq_at_cast == "on"
     if args.dq_fragments is not None:
         sm90_bwd.DQ_FRAGMENTS = args.dq_fragments == "on"
+    if args.wide:
+        import hopper_fmha.backward
+
+        hopper_fmha.backward.WIDE_BACKWARD = True
     q, k, v, out, dout, lse = inputs(args)
     scale = args.d**-0.5
     fmul = 2.5 * 4 * args.batch * args.heads * args.seqlen**2 * args.d / (2 if args.causal else 1)

@@ -1,10 +1,12 @@
-# The GPU checks owed by changes built without a GPU (NOTES.md "v25"), in one device call of about
-# 7 minutes: their GPU tests, then each measured against the default in the same call.
-# On the GPU machine, from the project root:
+# The GPU checks owed by changes built without a GPU (NOTES.md "v25", "v26"), in two device calls
+# of under 10 minutes each. On the GPU machine, from the project root:
 #
-#     source .gpu/activate.sh && OUT=$OUT bash scripts/gpu_pending.sh
+#     source .gpu/activate.sh && OUT=$OUT bash scripts/gpu_pending.sh 1    # then ... 2
 #
-# Logs go under $OUT (default /tmp/pending). Measured:
+# Logs go under $OUT (default /tmp/pending). Part 1: the GPU tests of everything below (one tier
+# run), then the d256 kernel timed. Part 2: the A/B measurements.
+#   backward.WIDE_BACKWARD      head dims past 128 on the d256 kernel (sm90_bwd_wide; session 26):
+#                               tests -k wide (454), bwd_profile --wide at d256 and d192/dv128
 #   sm90_bwd.DQ_SCALE_AT_CAST   dQacc unscaled, the scale applied as the host casts (bwd_profile --dq-at-cast)
 #   sm90_bwd.DQ_FRAGMENTS       d128 tile 80: dQ in fragment order, STS.128 + 1-D bulk reduce-add
 #                               (bwd_profile --dq-fragments), alone and with the above
@@ -13,11 +15,22 @@
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
+part=${1:-1}
 
-python scripts/gpu_tier.py --out /tmp/pending-tier --archive "$OUT/tier.tar.gz" --procs 15 --budget 150 \
-    --stall 90 -k "dq_scale or dq_fragments" tests/test_gpu_backward.py > "$OUT/tier.log" 2>&1
-tail -2 "$OUT/tier.log"
-grep -h "^FAILED" /tmp/pending-tier/report*.txt | head -10
+if [ "$part" = 1 ]; then
+    python scripts/gpu_tier.py --out /tmp/pending-tier --archive "$OUT/tier.tar.gz" --procs 15 --budget 330 \
+        --stall 120 -k "wide or dq_scale or dq_fragments" tests/test_gpu_backward.py > "$OUT/tier.log" 2>&1
+    tail -2 "$OUT/tier.log"
+    grep -h "^FAILED" /tmp/pending-tier/report*.txt | head -20
+    # The d256 kernel: bf16 B4 N4096 hidden 2048 (H8), the backward preset's d256 cells
+    # (FA4 / cuDNN anchors, peers.md: 361 / 335 TFLOP/s); deterministic; d192 on padded copies.
+    for args in "" "--causal" "--deterministic" "--causal --deterministic"; do
+        timeout 60 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide $args 2>&1 | grep -A4 TFLOP
+    done | tee "$OUT/wide.txt"
+    timeout 60 python scripts/bwd_profile.py --d 192 --heads 8 --versions 2 --wide --causal 2>&1 \
+        | grep TFLOP | tee -a "$OUT/wide.txt"
+    exit 0
+fi
 
 # Backward, bf16 B4 N4096 hidden 2048, the default tiles: dQ scaled per step, then at the cast, twice.
 for run in 1 2; do

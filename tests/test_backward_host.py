@@ -612,6 +612,78 @@ def test_head_dims_past_128_are_refused(kernels):
         sm90_bwd.backward(q, q, v, v, v, torch.zeros(1, 2, 8), 0.1, False)
 
 
+@pytest.fixture
+def wide(monkeypatch):
+    """The d256 kernel on (`backward.WIDE_BACKWARD`, off by default until the GPU tier runs it)."""
+    import hopper_fmha.backward as host
+
+    monkeypatch.setattr(host, "WIDE_BACKWARD", True)
+
+
+@pytest.mark.parametrize(
+    "d, dv, kv_heads, causal, deterministic",
+    [(256, 256, 2, True, False), (192, 128, 2, True, False), (160, 160, 4, False, True),
+     (256, 256, 1, False, True), (136, 136, 4, True, False)],
+    ids=["d256-gqa", "d192-dv128", "d160-mha-deterministic", "d256-mqa-deterministic", "d136-mha"],
+)  # fmt: skip
+def test_head_dims_past_128_run_the_d256_kernel(kernels, wide, d, dv, kv_heads, causal, deterministic):
+    # Past 128 the d256 kernel runs, on zero-padded copies below 256: dK, dV per q head (fp32 with
+    # GQA, summed by the host; no atomic sums), 64-query steps, no rotated deterministic walk.
+    launches, keys = kernels
+    g = torch.Generator().manual_seed(d + dv)
+    q = torch.randn(2, 70, 4, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(2, 75, kv_heads, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, 75, kv_heads, dv, generator=g).to(torch.bfloat16)
+    out, lse = reference(q, k, v, d**-0.5, causal)
+    dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
+    grads = sm90_bwd.backward(
+        q, k, v, out.to(q.dtype), dout, lse, d**-0.5, causal, deterministic=deterministic
+    )
+    # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
+    # tile_m, rotate, dq_unscaled, dq_fragments)
+    key = keys[-1]
+    assert key[1] == 256 and key[4] == 2 and key[6] is False and key[11] == 64 and key[12] is False
+    assert launches[-1]["q"].shape[-1] == 256
+    assert launches[-1]["dk"].dtype == (torch.bfloat16 if kv_heads == 4 else torch.float32)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*leaves, d**-0.5, causal, dtype=torch.float64)
+    ref = torch.autograd.grad(o, leaves, dout.double())
+    for name, ours, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        assert ours.shape == r.shape and ours.is_contiguous(), name
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_d256_refuses_version_1_and_past_256(kernels, wide):
+    q = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="version 1 takes head dims up to 128"):
+        sm90_bwd.backward(q, q, q, q, q, torch.zeros(1, 2, 8), 0.1, False, version=1)
+    q = torch.zeros(1, 8, 2, 264, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="head dims up to 256.*head_dim 264"):
+        sm90_bwd.backward(q, q, q, q, q, torch.zeros(1, 2, 8), 0.1, False)
+
+
+def test_varlen_head_dim_192_dv_128(varlen_kernels, wide):
+    from hopper_fmha.reference import reference_varlen
+
+    launches, keys = varlen_kernels
+    g = torch.Generator().manual_seed(3)
+    cu_q = torch.tensor([0, 70, 70, 103], dtype=torch.int32)
+    cu_k = torch.tensor([0, 90, 95, 135], dtype=torch.int32)
+    q = torch.randn(103, 4, 192, generator=g).to(torch.bfloat16)
+    k = torch.randn(135, 2, 192, generator=g).to(torch.bfloat16)
+    v = torch.randn(135, 2, 128, generator=g).to(torch.bfloat16)
+    out, lse = reference_varlen(q, k, v, cu_q, cu_k, softmax_scale=192**-0.5, causal=True)
+    dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
+    grads = sm90_bwd.backward_varlen(q, k, v, out.to(q.dtype), dout, lse, cu_q, cu_k, 70, 90, 192**-0.5, True)
+    assert keys[-1][1] == 256 and keys[-1][6] is False and launches[-1]["q"].shape[-1] == 256
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=192**-0.5, causal=True, dtype=torch.float64)
+    ref = torch.autograd.grad(o, leaves, dout.double())
+    for name, ours, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
+        assert ours.shape == r.shape, name
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
+
+
 def test_varlen_head_dim_96(varlen_kernels):
     from hopper_fmha.reference import reference_varlen
 

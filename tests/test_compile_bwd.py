@@ -331,3 +331,39 @@ def test_dq_fragments_stage_in_16_byte_stores(deterministic):
     assert "UBLKRED.G.S.ADD.F32" in texts[1] and "UTMAREDG" not in texts[1]
     assert texts[0].count("STS.128") == 0 and "UTMAREDG" in texts[0]
     assert stack_bytes(frag) <= 8 < stack_bytes(plain)
+
+
+# The d256 kernel (`kernels/sm90_bwd_wide.py`; `backward.WIDE_BACKWARD`, off until the GPU tier
+# has run it): 48 keys per CTA, dK^T and dV^T with d as WGMMA's M, P and dS through shared memory.
+WIDE_CONFIGS = {
+    "full": dict(causal=False),
+    "causal-mha": dict(causal=True, mha=True),
+    "deterministic": dict(causal=True, deterministic=True),
+    "window-softcap": dict(causal=False, window_left=True, window_right=True, softcap=True),
+    "varlen": dict(causal=True, varlen=True),
+}
+
+
+@pytest.mark.parametrize("cfg", list(WIDE_CONFIGS), ids=list(WIDE_CONFIGS))
+def test_d256_kernel_compiles_without_spills(cfg):
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    with tempfile.TemporaryDirectory() as dump:
+        cubin = compile_bwd(
+            "bfloat16", 256, options=f"--keep-cubin --dump-dir={dump}", **WIDE_CONFIGS[cfg]
+        ).artifacts.CUBIN
+    assert stack_bytes(cubin) == 0, f"{stack_bytes(cubin)} bytes of stack: registers spill"
+    text = sass_or_skip(cubin)
+    summary = sass_summary(text)
+    # Per query block, all from shared memory: S and dP (K = 256: 16 each, N = 24 keys a
+    # warpgroup), dV^T and dK^T (two 64-row blocks of d a warpgroup, K = 64 queries: 8 each,
+    # N = 48 keys), dQ (K = 48 keys: 3, N = 128, a warpgroup's half of d).
+    assert summary["hgmma_ss"] == 16 + 16 + 8 + 8 + 3 and summary["hgmma_rs"] == 0
+    assert summary["hgmma_shapes"] == ["64x24x16", "64x48x16", "64x128x16"]
+    assert "USETMAXREG" in text and "UTMAREDG" in text
+    # LSE log2 e and D by TMA with Q and dO: no global loads but varlen's cu_seqlens.
+    assert ("LDG.E" in text) == (cfg == "varlen")
+    # A thread's words into shared memory per query block: P and dS 12 (24 16-bit values as
+    # pairs), its 64 fp32 values of dQ: nothing stored twice.
+    words = len(re.findall(r"\bSTS\b(?!\.)", text)) + 2 * text.count("STS.64") + 4 * text.count("STS.128")
+    assert words == 12 + 64

@@ -615,3 +615,55 @@ def test_preprocess_kernel_matches_torch(hopper_gpu, dtype, dv, with_dlse):
     torch.testing.assert_close(lse2[..., :333], expected, rtol=1e-6, atol=0)
     assert torch.equal(delta[..., 333:], torch.zeros_like(delta[..., 333:]))
     assert torch.equal(lse2[..., 333:], torch.full_like(lse2[..., 333:], math.inf))
+
+
+# ---- head dims past 128: the d256 kernel (`kernels/sm90_bwd_wide.py`, session 26; off until these
+# pass on a GPU: `backward.WIDE_BACKWARD`, which the fixture turns on), the others padded to it ----
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    import hopper_fmha.backward as host
+
+    monkeypatch.setattr(host, "WIDE_BACKWARD", True)
+
+
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_wide_backward_matches_reference(hopper_gpu, wide, dtype, causal, seqlens, heads):
+    # d256: 48 keys per CTA (key blocks end mid-way through 64-row query blocks), one dO stage.
+    test_backward_matches_reference(hopper_gpu, 2, dtype, 256, causal, seqlens, heads)
+
+
+WIDE_FEATURE_SEQLENS = [(1, 1), (113, 203), (128, 1000), (1000, 128), (1023, 1024)]
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", WIDE_FEATURE_SEQLENS, ids=[f"{a}x{b}" for a, b in WIDE_FEATURE_SEQLENS])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
+def test_wide_score_features(hopper_gpu, wide, dtype, deterministic, feature, seqlens, heads):
+    # Windows, softcap (T kept in registers beside P), the sink, deterministic turns over 48-key
+    # blocks (bitwise equal twice), through flash_attn_func's autograd at d256.
+    test_score_features_backward(hopper_gpu, dtype, deterministic, 256, feature, seqlens, heads)
+
+
+WIDE_PADDED_DIMS = [(192, 128), (192, 192), (160, 160), (136, 64), (256, 128)]
+
+
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=["113x203", "1023x1024"])
+@pytest.mark.parametrize("dims", WIDE_PADDED_DIMS, ids=[f"d{a}-dv{b}" for a, b in WIDE_PADDED_DIMS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_wide_padded_head_dims(hopper_gpu, wide, dtype, causal, dims, seqlens):
+    # DeepSeek's (192, 128) and the other head dims past 128 on zero-padded copies.
+    test_padded_head_dims(hopper_gpu, dtype, causal, dims, seqlens)
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+@pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
+def test_wide_varlen_backward(hopper_gpu, wide, dtype, deterministic, case, heads):
+    test_varlen_backward(hopper_gpu, dtype, deterministic, 256, case, heads)

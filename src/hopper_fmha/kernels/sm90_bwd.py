@@ -62,6 +62,8 @@ from .sm90_common import (
 NUM_THREADS = 128
 TILE = 64  # keys per CTA and queries per step
 HEAD_DIMS = (64, 128)
+# Version 2's kernel for head dims past 128 (`sm90_bwd_wide`), on zero-padded copies below it.
+WIDE_HEAD_DIM = 256
 # CUDA's limit on gridDim.y and .z (heads, batch): the host launches in parts past it.
 GRID_YZ_MAX = _GRID_YZ_MAX
 
@@ -480,7 +482,15 @@ def compile_bwd(
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
-    if version == 2:
+    if version == 2 and head_dim == WIDE_HEAD_DIM:
+        from .sm90_bwd_wide import BwdWideSm90
+
+        assert not (dkv_atomic or rotate or dq_fragments), "d256: dK, dV per q head, no rotation or fragments"
+        assert tile_m == TILE, "d256 steps 64 queries"
+        kernel = BwdWideSm90(
+            dtype, causal, deterministic, window_left, window_right, softcap, varlen, dq_unscaled
+        )
+    elif version == 2:
         from .sm90_bwd_ws import BwdWsSm90
 
         kernel = BwdWsSm90(
@@ -616,15 +626,19 @@ def query_tile(version: int, head_dim: int, softcap: bool = False, masked: bool 
 
 
 def kernel_head_dim(head_dim: int, head_dim_v: int) -> int:
-    """The kernels' head dim for q, k's `head_dim` and v's `head_dim_v`: the smallest of HEAD_DIMS
-    at least as large as both. The host zero-pads q, k, v, out and dout to it, which is exact:
-    zero columns add nothing to S = Q K^T, dP = dO V^T or D = rowsum(dO O), and the padding's
-    gradients are dropped. Raises NotImplementedError past the largest (no kernel yet)."""
-    for kd in HEAD_DIMS:
+    """The kernels' head dim for q, k's `head_dim` and v's `head_dim_v`: the smallest of
+    `backward.head_dims()` (HEAD_DIMS, and WIDE_HEAD_DIM where the d256 kernel is on) at least as
+    large as both. The host zero-pads q, k, v, out and dout to it, which is exact: zero columns
+    add nothing to S = Q K^T, dP = dO V^T or D = rowsum(dO O), and the padding's gradients are
+    dropped. Raises NotImplementedError past the largest (no kernel yet)."""
+    from hopper_fmha.backward import head_dims
+
+    dims = head_dims()
+    for kd in dims:
         if head_dim <= kd and head_dim_v <= kd:
             return kd
     raise NotImplementedError(
-        f"the backward kernels take head dims up to {HEAD_DIMS[-1]} (q, k's and v's); got head_dim "
+        f"the backward kernels take head dims up to {dims[-1]} (q, k's and v's); got head_dim "
         f"{head_dim}, head_dim_v {head_dim_v}"
     )
 
@@ -708,7 +722,8 @@ def backward(
 ):
     """(dq, dk, dv) of `flash_attn_func`'s forward (q, k, v, out, lse as it returned them, lse
     exact), for the upstream gradients dout and, where the caller used the LSE, dlse (b, h, s_q);
-    d = 64 or 128, fp16/bf16, BSHD, GQA/MQA.
+    d = 64 or 128 (256 with `backward.WIDE_BACKWARD`: `sm90_bwd_wide`, version 2), others on
+    zero-padded copies, fp16/bf16, BSHD, GQA/MQA.
 
     Score features as the forward ran them (version 2 only): window_size (left, right), -1 for a
     side without limit (with causal the right side is the causal mask's); softcap the cap (0:
@@ -735,6 +750,11 @@ def backward(
         )  # fmt: skip
         return _unpadded(grads, d, v.shape[3])
     version = DEFAULT_VERSION if version is None else version
+    if d == WIDE_HEAD_DIM and version != 2:
+        raise NotImplementedError(
+            f"backward kernel version {version} takes head dims up to 128 (d256: version 2)"
+        )
+    wide = d == WIDE_HEAD_DIM  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
     left, right = _window_sides(window_size, causal)
     features = (left >= 0, right >= 0, bool(softcap))  # which, not their sizes: runtime values
     if any(features) and version != 2:
@@ -753,7 +773,7 @@ def backward(
     mha = group == 1
     # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;
     # otherwise per q head, summed below. Each key row is written by the CTA that owns it.
-    atomic = version == 2 and not mha and not deterministic
+    atomic = version == 2 and not mha and not deterministic and not wide
     if atomic:
         dk = torch.zeros(batch, seqlen_k, kv_heads, d, device=q.device, dtype=torch.float32)
     else:
@@ -762,7 +782,7 @@ def backward(
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
-    rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
+    rotate = not wide and rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
     key = key + (rotate, dq_unscaled, dq_fragments)
     fn = _compiled.get(key)
@@ -873,7 +893,8 @@ def backward_varlen(
     dq_acc = torch.zeros(total_pad, heads, d, device=device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
-    atomic = not mha and not deterministic
+    wide = d == WIDE_HEAD_DIM  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
+    atomic = not mha and not deterministic and not wide
     # Zeroed: keys past max_seqlen_k (a max_seqlen_k below the truth) get no CTA.
     if atomic:
         dk = torch.zeros(total_k, kv_heads, d, device=device, dtype=torch.float32)
@@ -891,7 +912,7 @@ def backward_varlen(
         bool(softcap),
         True,
         tile_m,
-        rotates(deterministic, 2, causal, left, right, max_seqlen_k, device),
+        not wide and rotates(deterministic, 2, causal, left, right, max_seqlen_k, device),
         dq_unscaled,
         False,  # dq_fragments: dense only
     )

@@ -112,6 +112,15 @@ class BwdWsSm90(BwdSm90):
     with `sm90_bwd.BwdSm90.__call__`'s arguments. The deterministic turns (`wait_turn`,
     `pass_turn`) are BwdSm90's, over this kernel's `sync_turn`."""
 
+    # Keys per CTA and the stages of the Q and dO pipelines (`sm90_bwd_wide` has others); the
+    # producer, the CTA's setup and the walk read them from here.
+    tile_n = TILE_N
+    q_stages = STAGES
+    do_stages = STAGES
+    # Whether P goes through shared memory beside dS (`sm90_bwd_wide`): the kernel's sdS is then
+    # the pair (sP, sdS).
+    p_in_smem = False
+
     def __init__(
         self,
         dtype,
@@ -303,7 +312,8 @@ class BwdWsSm90(BwdSm90):
             tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, tma_atom_dK, mdK, tma_atom_dV, mdV,
             mSem, softmax_scale,
             qhead_per_kvhead, window_size_left, window_size_right, softcap, mCuSeqlensQ, mCuSeqlensK,
-            kv_layout, q_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq, SharedStorage,
+            kv_layout, q_layout, q_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq,
+            SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
 
     # ---------------------------------------------------------------- device side
@@ -338,6 +348,7 @@ class BwdWsSm90(BwdSm90):
         mCuSeqlensK: cute.Tensor | None,
         kv_layout: cute.ComposedLayout,
         q_layout: cute.ComposedLayout,
+        do_layout: cute.ComposedLayout,
         ds_layout: cute.ComposedLayout,
         dq_layout: cute.ComposedLayout,
         tiled_mma_s: cute.TiledMma,
@@ -359,7 +370,7 @@ class BwdWsSm90(BwdSm90):
         # The query blocks that see a key of this CTA's (the mask's rule, from the key side).
         m_min, m_max = mask.query_block_range(n_block, seqlen)
         if const_expr(self.varlen):
-            if n_block * TILE_N >= seqlen.seqlen_k:  # past this sequence's keys: nothing to do
+            if n_block * self.tile_n >= seqlen.seqlen_k:  # past this sequence's keys: nothing to do
                 m_max = m_min
         walk = self.walk(n_block, seqlen, m_min, m_max)
 
@@ -378,18 +389,20 @@ class BwdWsSm90(BwdSm90):
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_THREADS // 32)
         # A stage: the 16-bit tile and its rows' fp32 LSE log2 e (Q) or D (dO).
-        tile_bytes = cute.size_in_bytes(self.dtype, cute.select(q_layout, mode=[0, 1])) + self.tile_m * 4
         pipes = [
             pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar.data_ptr(),
-                num_stages=STAGES,
+                num_stages=stages,
                 producer_group=producer_group,
                 consumer_group=consumer_group,
-                tx_count=tile_bytes,
+                tx_count=cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1])) + self.tile_m * 4,
                 cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
                 defer_sync=True,
             )
-            for mbar in (storage.mbar_Q, storage.mbar_dO)
+            for mbar, stages, layout in (
+                (storage.mbar_Q, self.q_stages, q_layout),
+                (storage.mbar_dO, self.do_stages, do_layout),
+            )
         ]
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -397,10 +410,14 @@ class BwdWsSm90(BwdSm90):
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sdO = storage.sdO.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sdO = storage.sdO.get_tensor(do_layout.outer, swizzle=do_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
-        rows_layout = cute.make_layout((self.tile_m, STAGES), stride=(1, self.rows_stride))
-        sLSE, sD = storage.sLSE.get_tensor(rows_layout), storage.sD.get_tensor(rows_layout)
+        if const_expr(self.p_in_smem):
+            sdS = (storage.sP.get_tensor(ds_layout.outer, swizzle=ds_layout.inner), sdS)
+        sLSE, sD = (
+            rows.get_tensor(cute.make_layout((self.tile_m, stages), stride=(1, self.rows_stride)))
+            for rows, stages in ((storage.sLSE, self.q_stages), (storage.sD, self.do_stages))
+        )
         if const_expr(self.dq_fragments):
             sdQ = storage.sdQ.get_tensor(self.dq_fragment_layout())
         else:
@@ -434,8 +451,8 @@ class BwdWsSm90(BwdSm90):
         (with D) of every query block it walks, each into the next free stage of its pipeline."""
         d = self.head_dim
         pipe_q, pipe_do = pipes
-        gK = cute.local_tile(seqlen.rows(mK, head_kv, batch, seqlen.offset_k), (TILE_N, d), (n_block, 0))
-        gV = cute.local_tile(seqlen.rows(mV, head_kv, batch, seqlen.offset_k), (TILE_N, d), (n_block, 0))
+        gK = cute.local_tile(seqlen.rows(mK, head_kv, batch, seqlen.offset_k), (self.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(seqlen.rows(mV, head_kv, batch, seqlen.offset_k), (self.tile_n, d), (n_block, 0))
         tile_m = self.tile_m
         gQ = cute.local_tile(seqlen.rows(mQ, head, batch, seqlen.offset_q), (tile_m, d), (None, 0))
         gdO = cute.local_tile(seqlen.rows(mdO, head, batch, seqlen.offset_q), (tile_m, d), (None, 0))
@@ -463,8 +480,8 @@ class BwdWsSm90(BwdSm90):
         cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=mbar_KV)
         cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=mbar_KV)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         for i in cutlass.range(m_min, m_max, unroll=1):
             m_block = self.walk_block(i, m_min, m_max, walk)
             pipe_q.producer_acquire(q_state)

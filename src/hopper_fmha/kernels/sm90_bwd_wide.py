@@ -1,0 +1,406 @@
+"""Backward pass for head dim 256 (and, on zero-padded copies, every head dim in (128, 256]).
+
+The second version's kernel (`sm90_bwd_ws`: a producer warp, two consumer warpgroups, the same
+preprocess, dQ reduce-add, deterministic turns, masks, softcap and varlen) cannot hold d = 256:
+there each consumer warpgroup keeps dK and dV of 64 keys x d in registers (WGMMA's M is 64 rows
+per warpgroup), 256 fp32 values per thread at d256. Here the GEMMs that make dK and dV are turned
+around so that d is their M (FlashAttention-3's dKV_swapAB, FA4's d256 configuration), and a CTA
+owns 48 keys:
+
+    S    = Q_m K^T          SS-WGMMA, M = 64 queries, N = 48 keys (warpgroup w: keys [24w, 24w + 24))
+    dP   = dO_m V^T         the same
+    P, dS in registers      rows are queries here: a thread's LSE and D are those of its two rows
+    P, dS -> sP, sdS        stmatrix; both warpgroups' columns, then a named barrier
+    dV^T += dO_m^T P        SS-WGMMA, M = d (warpgroup w: the 64-row blocks 2i + w), N = 48 keys,
+    dK^T += Q_m^T dS        K = 64 queries; A and B both MN-major views of the row-major buffers
+    dQ_m[:, half w] = dS K[:, half w]
+                            SS-WGMMA, M = 64 queries, N = 128 (warpgroup w's half of d), K = 48
+                            keys; staged and added into dQacc by one TMA reduce-add per warpgroup,
+                            as `sm90_bwd_ws` at tile_m 64
+
+Registers per consumer thread: dK^T and dV^T 48 each, dQ 64, S and dP 12 each. Shared memory:
+K, V 24 KB each, Q two stages (64 KB), dO one stage (32 KB), sP and sdS one buffer each (6 KB
+each), the dQ staging 64 KB: 221 KB of 227. With one sP/sdS buffer, a warpgroup writes block
+m + 1's P and dS only after both warpgroups' GEMMs of block m have read them (`BARRIER_PDS_FREE`).
+
+dK and dV leave from registers (the accumulator's (d, key) pairs: 2-byte stores in the inputs'
+type with MHA, fp32 per q head otherwise, which the host sums per kv head); no atomic GQA sums and
+no rotated deterministic walk. Everything else (arguments, layouts, host side) is `sm90_bwd_ws`'s.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+
+from .mask import Mask
+from .sm90_bwd_ws import (
+    BARRIER_DS,
+    NUM_MMA_THREADS,
+    NUM_THREADS,
+    TILE_M,
+    WARPGROUP,
+    BwdWsSm90,
+)
+from .sm90_common import LOG2_E, acc_mn_layout, convert, gemm, smem_layout
+
+HEAD_DIM = 256
+TILE_N = 48  # keys per CTA, 24 per consumer warpgroup in S and dP
+BARRIER_PDS_FREE = 6  # both consumer warpgroups: block m's GEMMs have read sP, sdS (after sm90_bwd_ws's 1-5)
+
+
+class BwdWideSm90(BwdWsSm90):
+    """Compile-time configuration of the d256 backward kernel; `__call__` takes
+    `sm90_bwd.BwdSm90.__call__`'s arguments (head dim 256 for q, k, v)."""
+
+    tile_n = TILE_N
+    q_stages = 2
+    do_stages = 1
+    p_in_smem = True
+
+    def __init__(
+        self,
+        dtype,
+        causal: bool,
+        deterministic: bool = False,
+        window_left: bool = False,
+        window_right: bool = False,
+        softcap: bool = False,
+        varlen: bool = False,
+        dq_unscaled: bool = False,
+    ):
+        assert not (causal and window_right), "causal is the right limit 0"
+        self.dtype = dtype
+        self.head_dim = HEAD_DIM
+        self.causal = causal
+        self.deterministic = deterministic
+        self.dkv_atomic = False
+        self.window_left = window_left
+        self.window_right = window_right
+        self.softcap = softcap
+        self.varlen = varlen
+        self.tile_m = TILE_M
+        self.dq_unscaled = dq_unscaled
+        self.dq_fragments = False
+        # dQ as `sm90_bwd_ws` at tile_m 64: warpgroup w adds columns [128w, 128w + 128) of a block.
+        self.dq_by_rows = False
+        self.dq_swapped = False
+        self.dq_tile = (TILE_M, HEAD_DIM // 2)
+        self.dq_mma_tile = self.dq_tile
+        self.rows_stride = TILE_M
+        self.mask = Mask(TILE_M, TILE_N, causal, window_left, window_right)
+        self.descending = causal or window_right
+        self.rotate = False
+        self.dkv_tma = False
+
+    # ---------------------------------------------------------------- host side
+    def _tiled_mmas(self):
+        K, MN = OperandMajorMode.K, OperandMajorMode.MN
+
+        def mma(a_major, b_major, atoms, tile):
+            return sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, a_major, b_major, Float32, atom_layout_mnk=atoms, tiler_mn=tile
+            )
+
+        return (
+            # S = Q K^T, dP = dO V^T: M = 64 queries, N = 48 keys as two halves (a warpgroup
+            # each), K = d; both K-major.
+            mma(K, K, (1, 2, 1), (TILE_M, TILE_N // 2)),
+            # dV^T += dO^T P, dK^T += Q^T dS: M = d (64-row blocks alternating between the
+            # warpgroups), N = 48 keys, K = 64 queries; A = dO^T or Q^T, B = P^T or dS^T: views of
+            # row-major buffers, MN-major.
+            mma(MN, MN, (2, 1, 1), (64, TILE_N)),
+            # dQ = dS K: M = 64 queries, N = d as two halves, K = 48 keys; A = dS K-major, B = K^T
+            # MN-major.
+            mma(K, MN, (1, 2, 1), self.dq_tile),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mD: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mSem: cute.Tensor | None,
+        softmax_scale: Float32,
+        qhead_per_kvhead: Int32,
+        window_size_left: Int32,
+        window_size_right: Int32,
+        softcap: Float32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        max_seqlen_k: Int32,
+        stream: cuda.CUstream,
+    ):
+        d = self.head_dim
+        # Sequence first, as TMA and WGMMA take them: (s, d, h, b); LSE log2 e and D (s_pad, h, b).
+        mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+            for t in (mQ, mK, mV, mdO, mdQacc, mdK, mdV)
+        ]
+        mLSE, mD = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mD)]
+
+        tiled_mma_s, tiled_mma_kv, tiled_mma_dq = self._tiled_mmas()
+        kv_layout = smem_layout(self.dtype, TILE_N, d)
+        q_layout = smem_layout(self.dtype, TILE_M, d, self.q_stages)
+        do_layout = smem_layout(self.dtype, TILE_M, d, self.do_stages)
+        # P and dS: queries x keys, one buffer each, unswizzled 8 x 8 atoms: a warpgroup's 24
+        # columns are whole atoms (the 16-column SW32 atom splits them, and no copy partitions that).
+        ps_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, self.dtype)
+        ps_layout = cute.tile_to_shape(ps_atom, (TILE_M, TILE_N), order=(0, 1))
+        tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            tma_op, mQ, cute.select(q_layout, mode=[0, 1]), (TILE_M, d)
+        )
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            tma_op, mdO, cute.select(do_layout, mode=[0, 1]), (TILE_M, d)
+        )
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, kv_layout, (TILE_N, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, kv_layout, (TILE_N, d))
+        row_layout = cute.make_layout(TILE_M)
+        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_op, mLSE, row_layout, (TILE_M,))
+        tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(tma_op, mD, row_layout, (TILE_M,))
+        dq_layout = smem_layout(Float32, *self.dq_tile, 2)
+        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]), self.dq_tile
+        )
+
+        def buffer(dtype, size, align=1024):
+            return cute.struct.Align[cute.struct.MemRange[dtype, size], align]
+
+        fields = {
+            "mbar_KV": cute.struct.MemRange[cutlass.Int64, 1],
+            "mbar_Q": cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages],  # full + empty per stage
+            "mbar_dO": cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages],
+            "sK": buffer(self.dtype, cute.cosize(kv_layout)),
+            "sV": buffer(self.dtype, cute.cosize(kv_layout)),
+            "sQ": buffer(self.dtype, cute.cosize(q_layout)),
+            "sdO": buffer(self.dtype, cute.cosize(do_layout)),
+            "sP": buffer(self.dtype, cute.cosize(ps_layout)),
+            "sdS": buffer(self.dtype, cute.cosize(ps_layout)),
+            "sdQ": buffer(Float32, cute.cosize(dq_layout)),
+            "sLSE": buffer(Float32, self.rows_stride * (self.q_stages - 1) + TILE_M, 128),
+            "sD": buffer(Float32, self.rows_stride * (self.do_stages - 1) + TILE_M, 128),
+        }
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE_N), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        if const_expr(self.varlen):
+            grid = ((max_seqlen_k + TILE_N - 1) // TILE_N, cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, None, mdK, None, mdV,
+            mSem, softmax_scale,
+            qhead_per_kvhead, window_size_left, window_size_right, softcap, mCuSeqlensQ, mCuSeqlensK,
+            kv_layout, q_layout, do_layout, ps_layout, dq_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq,
+            SharedStorage,
+        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
+
+    # ---------------------------------------------------------------- consumers
+    @cute.jit
+    def consumer(
+        self, tidx, sQ, sdO, sK, sV, sPdS, sLSE, sD, sdQ, mbar_KV, pipes, tiled_mma_s, tiled_mma_kv,
+        tiled_mma_dq, tma_atom_dQ, mdQacc, tma_atom_dK, mdK, tma_atom_dV, mdV, mSem, softmax_scale, softcap,
+        mask, seqlen, n_block, head, head_kv, batch, m_min, m_max, walk,
+    ):  # fmt: skip
+        """Both consumer warpgroups (tidx 0..255): the query blocks [m_min, m_max), then dK, dV."""
+        d = self.head_dim
+        sP, sdS = sPdS
+        pipe_q, pipe_do = pipes
+        scale_log2 = softmax_scale * LOG2_E
+        softcap_scale = None
+        if const_expr(self.softcap):
+            scale_log2 = softcap * LOG2_E
+            softcap_scale = softmax_scale / softcap
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        n0 = n_block * TILE_N
+
+        # Transposed views: Q^T, dO^T (d, 64 queries, stages); P^T, dS^T (48 keys, 64 queries);
+        # K^T (d, 48 keys).
+        sQt = cute.composition(sQ, cute.make_ordered_layout((d, TILE_M, self.q_stages), order=(1, 0, 2)))
+        sdOt = cute.composition(sdO, cute.make_ordered_layout((d, TILE_M, self.do_stages), order=(1, 0, 2)))
+        keys_q = cute.make_ordered_layout((TILE_N, TILE_M), order=(1, 0))
+        sPt, sdSt = cute.composition(sP, keys_q), cute.composition(sdS, keys_q)
+        sKt = cute.composition(sK, cute.make_ordered_layout((d, TILE_N), order=(1, 0)))
+
+        wg_s, wg_kv, wg_dq = (m.get_slice(wg * WARPGROUP) for m in (tiled_mma_s, tiled_mma_kv, tiled_mma_dq))
+        thr_s, thr_kv, thr_dq = (m.get_slice(tidx) for m in (tiled_mma_s, tiled_mma_kv, tiled_mma_dq))
+        tSrQ = wg_s.make_fragment_A(wg_s.partition_A(sQ))
+        tSrK = wg_s.make_fragment_B(wg_s.partition_B(sK))
+        tPrdO = wg_s.make_fragment_A(wg_s.partition_A(sdO))
+        tPrV = wg_s.make_fragment_B(wg_s.partition_B(sV))
+        tVrdOt = wg_kv.make_fragment_A(wg_kv.partition_A(sdOt))
+        tVrP = wg_kv.make_fragment_B(wg_kv.partition_B(sPt))
+        tKrQt = wg_kv.make_fragment_A(wg_kv.partition_A(sQt))
+        tKrdS = wg_kv.make_fragment_B(wg_kv.partition_B(sdSt))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+
+        acc_shape_S = thr_s.partition_shape_C((TILE_M, TILE_N))
+        acc_dV = thr_kv.make_fragment_C(thr_kv.partition_shape_C((d, TILE_N)))
+        acc_dK = thr_kv.make_fragment_C(thr_kv.partition_shape_C((d, TILE_N)))
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # This thread's (query, key) coordinates in an S tile, as rows and columns.
+        cS = thr_s.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        tScS = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
+        # A thread's column pairs, one 4-byte store each (stmatrix does not partition 24-column halves).
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
+        smem_copy = cute.make_tiled_copy_C(store_atom, tiled_mma_s).get_slice(tidx)
+        tPsP, tPsdS = smem_copy.partition_D(sP), smem_copy.partition_D(sdS)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        cute.arch.mbarrier_wait(mbar_KV, 0)
+        held = Int32(-1)  # deterministic: the query block whose turn this CTA still holds
+        for i in cutlass.range(m_min, m_max, unroll=1):
+            m_block = i
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
+            pipe_q.consumer_wait(q_state)
+            gemm(tiled_mma_s, acc_S, tSrQ[None, None, None, q_state.index], tSrK, zero_init=True, wg_wait=-1)
+            pipe_do.consumer_wait(do_state)
+            gemm(
+                tiled_mma_s, acc_dP, tPrdO[None, None, None, do_state.index], tPrV, zero_init=True, wg_wait=-1
+            )
+            if const_expr(self.deterministic):
+                if held >= 0:
+                    self.release_turn(mSem, held, head, batch, tidx)
+            masked = mask.tile_needs_mask(m_block, n_block, seqlen)
+            warpgroup.wait_group(1)  # S done; dP may still run
+            self.row_gradients(
+                acc_S, acc_dP, tScS, sLSE, q_state.index, sD, do_state.index, mask, seqlen, m_block, n0,
+                scale_log2, softcap_scale, masked,
+            )  # fmt: skip
+            rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+            convert(acc_S, rP)
+            rdS = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
+            convert(acc_dP, rdS)
+            # The previous block's GEMMs (both warpgroups', each waited for below) have read sP and
+            # sdS; then both warpgroups' columns before either GEMM reads them.
+            cute.arch.barrier(barrier_id=BARRIER_PDS_FREE, number_of_threads=NUM_MMA_THREADS)
+            cute.copy(smem_copy, smem_copy.retile(rP), tPsP)
+            cute.copy(smem_copy, smem_copy.retile(rdS), tPsdS)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BARRIER_DS, number_of_threads=NUM_MMA_THREADS)
+
+            # dV^T, then dQ, then dK^T (three commit groups); wait_group(1) leaves dK^T running
+            # while dQ is staged and its reduce-add issued.
+            gemm(
+                tiled_mma_kv,
+                acc_dV,
+                tVrdOt[None, None, None, do_state.index],
+                tVrP,
+                zero_init=False,
+                wg_wait=-1,
+            )
+            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
+            gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True, wg_wait=-1)
+            gemm(
+                tiled_mma_kv,
+                acc_dK,
+                tKrQt[None, None, None, q_state.index],
+                tKrdS,
+                zero_init=False,
+                wg_wait=1,
+            )
+            pipe_do.consumer_release(do_state)  # dP and dV^T, dO's readers, are done
+            do_state.advance()
+
+            self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx)
+            if const_expr(self.deterministic):
+                n_min, n_max, _, _ = mask.block_range_local(m_block, seqlen)
+                if const_expr(self.varlen):
+                    n_max = cutlass.min(n_max, cute.arch.grid_dim()[0])
+                turn = n_block - n_min
+                if const_expr(self.descending):
+                    turn = n_max - 1 - n_block
+                self.wait_turn(mSem, m_block, head, batch, turn, tidx)
+            self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
+            if const_expr(self.deterministic):
+                held = m_block
+            warpgroup.wait_group(0)  # dK^T done: Q's stage goes back to the producer
+            pipe_q.consumer_release(q_state)
+            q_state.advance()
+
+        if const_expr(self.deterministic):
+            if held >= 0:
+                self.release_turn(mSem, held, head, batch, tidx)
+        if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self.store_dkdv_t(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, head, batch, seqlen)
+
+    @cute.jit
+    def row_gradients(
+        self, acc_S, acc_dP, tScS, sLSE, q_stage, sD, do_stage, mask, seqlen, m_block, n0, scale_log2,
+        softcap_scale, masked,
+    ):  # fmt: skip
+        """P and dS in place of S and dP (rows are queries, columns keys; waits for dP): P =
+        exp2(S scale log2 e - LSE log2 e), or with softcap T = tanh(S scale / cap) and P =
+        exp2(T cap log2 e - LSE log2 e); 0 where masked (`masked`: the tile holds a key some row
+        does not see). dS = P (dP - D), times 1 - T^2 with softcap. A thread's rows' LSE log2 e and
+        D come from shared memory (+inf and 0 past the end: P = 0 there)."""
+        acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+        acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
+        rows = cute.size(acc_S_mn, mode=[0])
+        cols = cute.size(acc_S_mn, mode=[1])
+        tanh_mn = None
+        if const_expr(self.softcap):  # T kept for dS: 12 registers a thread at 24 columns
+            rT = cute.make_rmem_tensor(acc_S.layout, Float32)
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                rT[i] = cute.math.tanh(acc_S[i] * softcap_scale, approx=True)
+                acc_S[i] = rT[i]
+            tanh_mn = cute.make_tensor(rT.iterator, acc_mn_layout(rT.layout))
+        for r in cutlass.range_constexpr(rows):
+            row = tScS[r, 0][0]
+            lse_log2 = sLSE[row, q_stage]
+            for c in cutlass.range_constexpr(cols):
+                acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_log2, fastmath=True)
+            if masked:
+                start, limit = mask.key_bounds(m_block * TILE_M + row, seqlen)
+                for c in cutlass.range_constexpr(cols):
+                    key = n0 + tScS[r, c][1]
+                    if const_expr(self.window_left):
+                        if key >= limit or key < start:
+                            acc_S_mn[r, c] = Float32(0.0)
+                    elif key >= limit:
+                        acc_S_mn[r, c] = Float32(0.0)
+        warpgroup.wait_group(0)  # dP done
+        for r in cutlass.range_constexpr(rows):
+            dsum = sD[tScS[r, 0][0], do_stage]
+            for c in cutlass.range_constexpr(cols):
+                ds = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum)
+                if const_expr(self.softcap):
+                    t = tanh_mn[r, c]
+                    ds = ds * (1.0 - t * t)
+                acc_dP_mn[r, c] = ds
+
+    @cute.jit
+    def store_dkdv_t(self, acc_dKt, acc_dVt, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen):
+        """dK * scale and dV of this CTA's keys from the transposed accumulators dK^T, dV^T (d, keys),
+        keys inside the sequence: in mdK's type (the inputs' with MHA, fp32 per q head otherwise)
+        at q head `head`."""
+        c = thr_kv.partition_C(cute.make_identity_tensor((self.head_dim, TILE_N)))
+        gdK = seqlen.rows(mdK, head, batch, seqlen.offset_k)
+        gdV = seqlen.rows(mdV, head, batch, seqlen.offset_k)
+        seqlen_k = seqlen.seqlen_k
+        if const_expr(self.varlen):
+            # Offsets the host could not check (graph capture) are cut at the packed tensor's ends.
+            seqlen_k = cutlass.min(seqlen_k, mdK.shape[0] - seqlen.offset_k)
+            if seqlen.offset_k < 0:
+                seqlen_k = Int32(0)
+        for i in cutlass.range_constexpr(cute.size(acc_dKt)):
+            col, key = c[i][0], n0 + c[i][1]
+            if key < seqlen_k:
+                gdK[key, col] = (acc_dKt[i] * scale).to(mdK.element_type)
+                gdV[key, col] = acc_dVt[i].to(mdV.element_type)
