@@ -522,10 +522,10 @@ def test_varlen_backward(hopper_gpu, dtype, deterministic, d, case, heads):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_is_bitwise_reproducible(hopper_gpu, causal):
+def test_deterministic_is_bitwise_reproducible(hopper_gpu, causal, d: int = 128):
     import hopper_fmha
 
-    q, k, v = (t.requires_grad_() for t in make_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16, 5))
+    q, k, v = (t.requires_grad_() for t in make_inputs(2, 1000, 1000, 8, 2, d, torch.bfloat16, 5))
     out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, deterministic=True)
     dout = torch.randn_like(out)
     first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -667,3 +667,8 @@ def test_wide_padded_head_dims(hopper_gpu, wide, dtype, causal, dims, seqlens):
 @pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
 def test_wide_varlen_backward(hopper_gpu, wide, dtype, deterministic, case, heads):
     test_varlen_backward(hopper_gpu, dtype, deterministic, 256, case, heads)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wide_deterministic_is_bitwise_reproducible(hopper_gpu, wide, causal):
+    test_deterministic_is_bitwise_reproducible(hopper_gpu, causal, 256)  # 100 repeats

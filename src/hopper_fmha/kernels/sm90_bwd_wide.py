@@ -10,7 +10,7 @@ owns 48 keys:
     S    = Q_m K^T          SS-WGMMA, M = 64 queries, N = 48 keys (warpgroup w: keys [24w, 24w + 24))
     dP   = dO_m V^T         the same
     P, dS in registers      rows are queries here: a thread's LSE and D are those of its two rows
-    P, dS -> sP, sdS        stmatrix; both warpgroups' columns, then a named barrier
+    P, dS -> sP, sdS        4-byte stores; both warpgroups' columns, then a named barrier
     dV^T += dO_m^T P        SS-WGMMA, M = d (warpgroup w: the 64-row blocks 2i + w), N = 48 keys,
     dK^T += Q_m^T dS        K = 64 queries; A and B both MN-major views of the row-major buffers
     dQ_m[:, half w] = dS K[:, half w]
@@ -40,6 +40,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from .mask import Mask
 from .sm90_bwd_ws import (
     BARRIER_DS,
+    BARRIER_PDS_FREE,
     NUM_MMA_THREADS,
     NUM_THREADS,
     TILE_M,
@@ -50,7 +51,6 @@ from .sm90_common import LOG2_E, acc_mn_layout, convert, gemm, smem_layout
 
 HEAD_DIM = 256
 TILE_N = 48  # keys per CTA, 24 per consumer warpgroup in S and dP
-BARRIER_PDS_FREE = 6  # both consumer warpgroups: block m's GEMMs have read sP, sdS (after sm90_bwd_ws's 1-5)
 
 
 class BwdWideSm90(BwdWsSm90):

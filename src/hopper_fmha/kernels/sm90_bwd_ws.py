@@ -105,6 +105,9 @@ BARRIER_DQ = 3  # + warpgroup: its dQ buffer is free / written (TMA reduce-add o
 # the kernels built before a change).
 DKV_TMA_TILES: tuple[int, ...] = (64, 80, 128)
 BARRIER_DKV = 5  # both consumer warpgroups: sK, sV free for dK, dV / dK, dV written (`store_dkdv_tma`)
+# `sm90_bwd_wide`'s: both consumer warpgroups' GEMMs of a block have read its one sP/sdS buffer. The
+# named barriers of both kernels are numbered here, so that no id meets with two thread counts.
+BARRIER_PDS_FREE = 6
 
 
 class BwdWsSm90(BwdSm90):
