@@ -73,7 +73,7 @@ def main():
         "--dq-fragments",
         choices=("on", "off"),
         default=None,
-        help="d128 tile 80: dQ staged and added in fragment order (sm90_bwd.DQ_FRAGMENTS), or as now",
+        help="dQ staged and added in fragment order (sm90_bwd.DQ_FRAGMENTS), or as now",
     )
     parser.add_argument(
         "--wide",

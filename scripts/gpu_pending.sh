@@ -8,7 +8,7 @@
 #   backward.WIDE_BACKWARD      head dims past 128 on the d256 kernel (sm90_bwd_wide; session 26):
 #                               tests -k wide (454), bwd_profile --wide at d256 and d192/dv128
 #   sm90_bwd.DQ_SCALE_AT_CAST   dQacc unscaled, the scale applied as the host casts (bwd_profile --dq-at-cast)
-#   sm90_bwd.DQ_FRAGMENTS       d128 tile 80: dQ in fragment order, STS.128 + 1-D bulk reduce-add
+#   sm90_bwd.DQ_FRAGMENTS       dQ in fragment order, STS.128 + 1-D bulk reduce-add, every dense tile
 #                               (bwd_profile --dq-fragments), alone and with the above
 #   d192/dv128 pingpong         sustained.py, ws against ws:pingpong=1 (v25: causal 0.975x FA4's time
 #                               with it, 0.998x without; non-causal not measured at 128x128)
@@ -32,26 +32,16 @@ if [ "$part" = 1 ]; then
     exit 0
 fi
 
-# Backward, bf16 B4 N4096 hidden 2048, the default tiles: dQ scaled per step, then at the cast, twice.
-for run in 1 2; do
-    for cast in off on; do
-        python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --dq-at-cast $cast 2>&1 | grep TFLOP
-        python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --causal --dq-at-cast $cast 2>&1 | grep TFLOP
-        python scripts/bwd_profile.py --d 64 --heads 32 --versions 2 --dq-at-cast $cast 2>&1 | grep TFLOP
-        python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --deterministic --dq-at-cast $cast 2>&1 | grep TFLOP
+# Backward, bf16 B4 N4096 hidden 2048, the default tiles (d128 80, causal 64; d64 128): dQ as now,
+# in fragment order, scaled at the cast, both; the default again last (drift).
+for cfg in "--d 128 --heads 16" "--d 128 --heads 16 --causal" "--d 64 --heads 32" \
+           "--d 128 --heads 16 --deterministic"; do
+    for pair in "off off" "on off" "off on" "on on" "off off"; do
+        set -- $pair
+        timeout 60 python scripts/bwd_profile.py $cfg --versions 2 --dq-fragments $1 --dq-at-cast $2 \
+            2>&1 | grep TFLOP | sed "s/\$/  (fragments $1, at cast $2)/"
     done
-done | tee "$OUT/dq_at_cast.txt"
-
-# d128 non-causal (tile 80): dQ as now, in fragment order, and in fragment order unscaled; twice.
-for run in 1 2; do
-    for frag in "off off" "on off" "on on"; do
-        set -- $frag
-        for det in "" --deterministic; do
-            python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 $det --dq-fragments $1 --dq-at-cast $2 \
-                2>&1 | grep TFLOP | sed "s/\$/  (fragments $1, at cast $2)/"
-        done
-    done
-done | tee "$OUT/dq_fragments.txt"
+done | tee "$OUT/dq_switches.txt"
 
 python scripts/sustained.py --backends fa4 ws ws:pingpong=1 --headdim 192 --headdim-v 128 --seqlen 4096 \
     --batch 4 --heads 16 --causal both --dtype bf16 --passes 2 --seconds 0.6 --settle 0.3 2>&1 \

@@ -24,29 +24,37 @@ from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
 T64 = sm90_bwd.query_tile(2, 64)
 
 
-def fragment_index(rows: int):
-    """Where d128's 80-query tile puts dQ^T in the fragment-ordered dQacc (`sm90_bwd.DQ_FRAGMENTS`),
-    derived from the kernel's side: for each (row, d) of one head's (rows, 128) buffer, the flat
-    index into that buffer. Block m, warpgroup wg, thread 32 warp + lane, accumulator value
-    4 j + 2 h2 + e (SM90's accumulator: row d = 64 wg + 16 warp + 8 h2 + lane // 4, column
-    q = 80 m + 8 j + 2 (lane % 4) + e) sits at m 10240 + wg 5120 + 512 j + 4 thread + 2 h2 + e."""
+def fragment_index(rows: int, tile: int = 80, d: int = 128):
+    """Where the kernel puts dQ in the fragment-ordered dQacc (`sm90_bwd.DQ_FRAGMENTS`), derived
+    from the kernel's side: for each (row, column) of one head's (rows, d) buffer, the flat index
+    into that buffer. Block m, warpgroup wg, thread 32 warp + lane, accumulator value
+    4 j + 2 h2 + e sits at m tile d + wg tile d / 2 + 512 j + 4 thread + 2 h2 + e, and SM90's
+    accumulator puts that value at its GEMM's row 16 warp + 8 h2 + lane // 4 and column
+    8 j + 2 (lane % 4) + e. The GEMM per warpgroup: tile 80, dQ^T's rows d [64 wg, 64 wg + 64),
+    columns the block's queries; tile 128, dQ's rows [64 wg, 64 wg + 64) of the block; tile 64,
+    dQ's columns [d / 2 wg, d / 2 (wg + 1))."""
     q = torch.arange(rows)[:, None]
-    d = torch.arange(128)[None, :]
-    m, qq = q // 80, q % 80
-    j, lr, e = qq // 8, (qq % 8) // 2, qq % 2
-    wg, dd = d // 64, d % 64
-    warp, h2, lq = dd // 16, (dd % 16) // 8, dd % 8
+    col = torch.arange(d)[None, :]
+    m, qq = q // tile, q % tile
+    if tile == 80:  # GEMM rows are d, columns queries
+        wg, grow, gcol = col // 64, col % 64, qq
+    elif tile == 128:  # rows queries, a warpgroup per 64 of them
+        wg, grow, gcol = qq // 64, qq % 64, col
+    else:  # rows queries, a warpgroup per half of d
+        wg, grow, gcol = col // (d // 2), qq, col % (d // 2)
+    warp, h2, lq = grow // 16, (grow % 16) // 8, grow % 8
+    j, lr, e = gcol // 8, (gcol % 8) // 2, gcol % 2
     thread = 32 * warp + 4 * lq + lr
-    return m * 10240 + wg * 5120 + 512 * j + 4 * thread + 2 * h2 + e
+    return m * tile * d + wg * (tile * d // 2) + 512 * j + 4 * thread + 2 * h2 + e
 
 
-def add_fragments(dq_acc, part):
+def add_fragments(dq_acc, part, tile: int):
     """dQacc += part as the fragment-ordered kernel adds it: dq_acc is the (b, s_q, h, d) view the
-    host passes, of a (b, h, blocks * 80, d) buffer (`sm90_bwd.backward`)."""
+    host passes, of a (b, h, blocks * tile, d) buffer (`sm90_bwd.backward`)."""
     b, sq, h, d = dq_acc.shape
-    rows = -(-sq // 80) * 80
+    rows = -(-sq // tile) * tile
     buf = dq_acc.as_strided((b, h, rows * d), (dq_acc.stride(0), dq_acc.stride(2), 1))
-    index = fragment_index(rows)[:sq].reshape(-1)
+    index = fragment_index(rows, tile, d)[:sq].reshape(-1)
     for bi in range(b):
         for hi in range(h):
             buf[bi, hi].index_add_(0, index, part[bi, :, hi].reshape(-1).to(buf.dtype))
@@ -60,6 +68,7 @@ def dense_kernel(
     softcap_on=False,
     dq_unscaled=False,
     dq_fragments=False,
+    tile_m=64,
 ):
     """A stand-in for a compiled backward kernel: the same 18 arguments, its part of the work
     done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks;
@@ -74,6 +83,8 @@ def dense_kernel(
         launches.append(
             dict(q=q, dk=dk, sem=sem, group=group, lse2=lse2, delta=delta, window=window, softcap=softcap)
         )
+        if dq_fragments:  # the rows of one head's buffer behind the (b, s_q, h, d) view
+            launches[-1]["dq_rows"] = dq_acc.stride(2) // dq_acc.shape[3]
         assert lse2.shape[-1] % 64 == 0 and lse2.shape == delta.shape and lse2.shape[-1] >= q.shape[1]
         assert (left >= 0, right >= 0) == window_sides and bool(softcap) == softcap_on
         assert cu_q is None and cu_k is None  # dense
@@ -93,7 +104,7 @@ def dense_kernel(
         ds = p * (dp - delta.double()[..., None]) * dtanh
         dq_part = (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * (1.0 if dq_unscaled else scale)).float()
         if dq_fragments:
-            add_fragments(dq_acc, dq_part)
+            add_fragments(dq_acc, dq_part, tile_m)
         else:
             dq_acc += dq_part
         dk_heads = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
@@ -131,7 +142,8 @@ def kernels(monkeypatch):
         # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
         # tile_m, rotate, dq_unscaled, dq_fragments)
         assert key[10] is False
-        return binding_checked(key, dense_kernel(launches, key[6], key[2], key[7:9], key[9], *key[13:15]))
+        kernel = dense_kernel(launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11])
+        return binding_checked(key, kernel)
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
     monkeypatch.setattr(bwd_preprocess, "_compiled", {})
@@ -237,45 +249,53 @@ def test_dq_scale_at_cast(kernels, monkeypatch, version):
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
 
 
-def test_fragment_order_round_trip():
+@pytest.mark.parametrize("tile, d", [(80, 128), (64, 128), (128, 64), (64, 64)])
+def test_fragment_order_round_trip(tile, d):
     # `dq_from_fragments` undoes the kernel's fragment order (`fragment_index`): every element back
     # in its place, the padded rows cut.
     g = torch.Generator().manual_seed(3)
-    dense = torch.randn(2, 160, 3, 128, generator=g)
-    buf = torch.zeros(2, 3, 160 * 128)
-    index = fragment_index(160).reshape(-1)
+    rows = 2 * tile
+    dense = torch.randn(2, rows, 3, d, generator=g)
+    buf = torch.zeros(2, 3, rows * d)
+    index = fragment_index(rows, tile, d).reshape(-1)
     for b in range(2):
         for h in range(3):
             buf[b, h, index] = dense[b, :, h].reshape(-1)
-    assert sorted(index.tolist()) == list(range(160 * 128))  # a permutation
-    for sq in (151, 160, 80, 1):
-        rows = -(-sq // 80) * 80
-        part = buf.view(2, 3, 160, 128)[:, :, :rows]
-        out = sm90_bwd.dq_from_fragments(part, sq, torch.float32, None)
+    assert sorted(index.tolist()) == list(range(rows * d))  # a permutation
+    for sq in (rows - 9, rows, tile, 1):
+        padded = -(-sq // tile) * tile
+        part = buf.view(2, 3, rows, d)[:, :, :padded]
+        out = sm90_bwd.dq_from_fragments(part, sq, torch.float32, None, tile)
         assert out.is_contiguous() and torch.equal(out, dense[:, :sq])
-    scaled = sm90_bwd.dq_from_fragments(buf.view(2, 3, 160, 128), 151, torch.bfloat16, 0.5)
-    assert scaled.dtype == torch.bfloat16 and torch.equal(scaled, (dense[:, :151] * 0.5).to(torch.bfloat16))
+    scaled = sm90_bwd.dq_from_fragments(buf.view(2, 3, rows, d), rows - 9, torch.bfloat16, 0.5, tile)
+    assert scaled.dtype == torch.bfloat16
+    assert torch.equal(scaled, (dense[:, : rows - 9] * 0.5).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("unscaled", [False, True], ids=["scaled", "unscaled"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_dq_fragments(kernels, monkeypatch, kv_heads, deterministic, unscaled):
-    # `DQ_FRAGMENTS` (d128's 80-query tile, dense): the host lays dQacc out per head in whole
-    # blocks, the stand-in adds in the kernel's fragment order, the host puts it back in order
-    # (and scales it, with `DQ_SCALE_AT_CAST`): the reference's gradients, contiguous. Other
-    # tiles (causal: 64) keep the plain dQacc.
+@pytest.mark.parametrize("d, causal, tile", [(128, False, 80), (128, True, 64), (64, False, T64)])
+def test_dq_fragments(kernels, monkeypatch, kv_heads, deterministic, unscaled, d, causal, tile):
+    # `DQ_FRAGMENTS` (dense, every query tile): the host lays dQacc out per head in whole blocks,
+    # the stand-in adds in the kernel's fragment order, the host puts it back in order (and
+    # scales it, with `DQ_SCALE_AT_CAST`): the reference's gradients, contiguous. Varlen keeps the
+    # plain dQacc.
     launches, keys = kernels
     monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", True)
     monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", unscaled)
-    q, k, v, out, dout, lse = inputs(sq=170, sk=150, kv_heads=kv_heads, d=128)
-    grads = sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, False, deterministic=deterministic)
-    assert keys[-1][11] == 80 and keys[-1][13:15] == (unscaled, True)
-    for ours, ref in zip(grads, reference_grads(q, k, v, dout), strict=True):
+    q, k, v, out, dout, lse = inputs(sq=170, sk=150, kv_heads=kv_heads, d=d)
+    if causal:
+        out, lse = reference(q, k, v, d**-0.5, True)
+        out = out.to(q.dtype)
+    grads = sm90_bwd.backward(q, k, v, out, dout, lse, d**-0.5, causal, deterministic=deterministic)
+    assert keys[-1][11] == tile and keys[-1][13:15] == (unscaled, True)
+    assert launches[-1]["dq_rows"] == -(-170 // tile) * tile  # whole blocks per head
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*leaves, d**-0.5, causal, dtype=torch.float64)
+    for ours, ref in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
         assert ours.dtype == torch.bfloat16 and ours.is_contiguous()
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
-    sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, True)
-    assert keys[-1][11] == 64 and keys[-1][14] is False
 
 
 def test_deterministic_gets_zeroed_semaphores(kernels):

@@ -303,34 +303,32 @@ def test_dq_unscaled_drops_the_per_step_multiplies(d, causal, version, mha, tile
     assert fmuls[0] - fmuls[1] == per_thread
 
 
+FRAGMENT_CASES = {
+    # (d, causal, softcap, tile_m, STS.128 a thread, the plain kernel's stack bytes)
+    "d128-tile80": (128, False, False, 80, 10, 40),
+    "d128-causal-tile64": (128, True, False, 64, 8, 0),
+    "d64-tile128": (64, False, False, 128, 8, 40),
+    "d64-softcap-tile64": (64, False, True, 64, 4, 0),
+}
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "deterministic"])
-def test_dq_fragments_stage_in_16_byte_stores(deterministic):
-    # `sm90_bwd.DQ_FRAGMENTS` (off by default; session 25, not yet run on a GPU), d128 tile 80:
-    # each warpgroup's dQ^T part leaves as 10 STS.128 (40 values a thread) and one 1-D bulk
-    # reduce-add (UBLKRED), in place of 40 4-byte stores into the swizzled buffer and a TMA
-    # reduce-add; the staging's address registers go, and with them most of the tile's spill.
-    key = (
-        "bfloat16",
-        128,
-        False,
-        deterministic,
-        2,
-        True,
-        False,
-        False,
-        False,
-        False,
-        False,
-        80,
-        False,
-        False,
-    )
-    plain, frag = bwd_cubin(*key, False), bwd_cubin(*key, True)
+@pytest.mark.parametrize("case", list(FRAGMENT_CASES))
+def test_dq_fragments_stage_in_16_byte_stores(case, deterministic):
+    # `sm90_bwd.DQ_FRAGMENTS` (off by default; sessions 25-26, not yet run on a GPU): each
+    # warpgroup's dQ part leaves as 16-byte stores (4 accumulator values each) and one 1-D bulk
+    # reduce-add (UBLKRED), in place of 4- and 8-byte stores into the swizzled buffer and a TMA
+    # reduce-add; the staging's address registers go, and with them the spills of tiles 80, 128.
+    d, causal, softcap, tile_m, stores, stack = FRAGMENT_CASES[case]
+    key = ("bfloat16", d, causal, deterministic, 2, True, False, False, False, softcap, False, tile_m)
+    plain, frag = bwd_cubin(*key, False, False, False), bwd_cubin(*key, False, False, True)
     texts = [sass_or_skip(c) for c in (plain, frag)]
-    assert texts[1].count("STS.128") == 10 and len(re.findall(r"\bSTS\b(?!\.)", texts[1])) == 0
+    assert texts[1].count("STS.128") == stores and len(re.findall(r"\bSTS\b(?!\.)", texts[1])) == 0
     assert "UBLKRED.G.S.ADD.F32" in texts[1] and "UTMAREDG" not in texts[1]
     assert texts[0].count("STS.128") == 0 and "UTMAREDG" in texts[0]
-    assert stack_bytes(frag) <= 8 < stack_bytes(plain)
+    assert stack_bytes(frag) <= min(8, stack_bytes(plain))
+    if not deterministic:
+        assert stack_bytes(plain) == stack
 
 
 # The d256 kernel (`kernels/sm90_bwd_wide.py`; `backward.WIDE_BACKWARD`, off until the GPU tier

@@ -390,36 +390,59 @@ def test_dq_scale_at_cast_varlen(hopper_gpu, monkeypatch, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, False, 128, case, "gqa")
 
 
-# dQ in fragment order at d128's 80-query tile (`sm90_bwd.DQ_FRAGMENTS`, off by default; session
-# 25, not yet run): 16-byte stores, a 1-D bulk reduce-add, the host's un-permute; alone and with
-# `DQ_SCALE_AT_CAST`; MHA/GQA/MQA, tails, deterministic (bitwise repeats), a padded head dim.
+# dQ in fragment order (`sm90_bwd.DQ_FRAGMENTS`, off by default; sessions 25 (tile 80) and 26 (the
+# others), not yet run): 16-byte stores, a 1-D bulk reduce-add, the host's un-permute, at each query
+# tile (d128 80 and causal 64, d64 128); alone and with `DQ_SCALE_AT_CAST`; MHA/GQA/MQA, tails,
+# deterministic (bitwise repeats), score features, a padded head dim.
+FRAGMENT_TILES = {
+    "d128-tile80": (128, False, 80),
+    "d128-causal-tile64": (128, True, 64),
+    "d64-tile128": (64, False, 128),
+}
+
+
 @pytest.mark.parametrize("unscaled", [False, True], ids=["scaled", "unscaled"])
 @pytest.mark.parametrize(
     "seqlens", [(3, 3), (239, 1), (799, 131), (1023, 1024)], ids=["3x3", "239x1", "799x131", "1023x1024"]
 )
 @pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("tile", list(FRAGMENT_TILES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_dq_fragments(hopper_gpu, monkeypatch, dtype, heads, seqlens, unscaled):
+def test_dq_fragments(hopper_gpu, monkeypatch, dtype, tile, heads, seqlens, unscaled):
     from hopper_fmha.kernels import sm90_bwd
 
     monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", True)
     monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", unscaled)
-    assert sm90_bwd.query_tile(2, 128) == 80
-    test_backward_matches_reference(hopper_gpu, 2, dtype, 128, False, seqlens, heads)
+    d, causal, tile_m = FRAGMENT_TILES[tile]
+    assert sm90_bwd.query_tile(2, d, masked=causal) == tile_m
+    test_backward_matches_reference(hopper_gpu, 2, dtype, d, causal, seqlens, heads)
 
 
-@pytest.mark.parametrize("d", [128, 96])
-def test_dq_fragments_deterministic(hopper_gpu, monkeypatch, d):
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=["113x203", "1023x1024"])
+@pytest.mark.parametrize("feature", ["both", "softcap-causal", "all"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype, deterministic", MODES[1:], ids=MODE_IDS[1:])
+def test_dq_fragments_score_features(hopper_gpu, monkeypatch, dtype, deterministic, d, feature, seqlens):
+    # Windows (tile 64 at d128, 128 at d64) and softcap (tile 64 at both).
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", True)
+    test_score_features_backward(hopper_gpu, dtype, deterministic, d, feature, seqlens, "gqa")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [128, 96, 64])
+def test_dq_fragments_deterministic(hopper_gpu, monkeypatch, d, causal):
     import hopper_fmha
     from hopper_fmha.kernels import sm90_bwd
 
     monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", True)
     q, k, v = (t.requires_grad_() for t in make_inputs(2, 901, 700, 4, 2, d, torch.bfloat16, 11))
-    out = hopper_fmha.flash_attn_func(q, k, v, deterministic=True)
+    out = hopper_fmha.flash_attn_func(q, k, v, causal=causal, deterministic=True)
     dout = torch.randn_like(out)
     ours = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    ref = grads(q, k, v, dout, d**-0.5, False, torch.float64)
-    check_grads(ours, ref, grads(q, k, v, dout, d**-0.5, False, torch.bfloat16), torch.bfloat16)
+    ref = grads(q, k, v, dout, d**-0.5, causal, torch.float64)
+    check_grads(ours, ref, grads(q, k, v, dout, d**-0.5, causal, torch.bfloat16), torch.bfloat16)
     check_repeats_bitwise(ours, out, (q, k, v), dout)
 
 

@@ -516,41 +516,61 @@ _compiled: dict = {}
 # the kernel issues about one warp-instruction per scheduler every 4 cycles in both. Off: built in
 # session 25 without a GPU (compile tier only). Part of the compile key (`_compiled`).
 DQ_SCALE_AT_CAST = False
-# d128's 80-query tile (dense): each warpgroup stages its dQ^T part in the accumulator's own order
-# (16-byte stores; the swizzled TMA buffer takes the transposed values one 4-byte store each: ncu
-# v25, 34 M STS against FA4's 8.5 M STS.128) and adds it by one 1-D bulk reduce-add into a dQacc laid
-# out per (batch, head) and block, which `dq_from_fragments` puts back in order for the cast. Off:
-# built in session 25 without a GPU (compile tier and host only). Part of the compile key.
+# dQ in the accumulator's own order (dense): each warpgroup stages its part of a query block's dQ
+# as 16-byte stores of 4 consecutive accumulator values (the swizzled TMA buffer takes them one or
+# two 4-byte stores each; tile 80 transposed: ncu v25, 34 M STS against FA4's 8.5 M STS.128) and
+# adds it by one 1-D bulk reduce-add into a dQacc laid out per (batch, head) and block, which
+# `dq_from_fragments` puts back in order for the cast. Every query tile of the dense kernel (80:
+# d128 non-causal; 64: causal, windows, softcap; 128: d64). Off: built in sessions 25 (tile 80)
+# and 26 (the others) without a GPU (compile tier and host only). Part of the compile key.
 DQ_FRAGMENTS = False
 
 
-def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None):
+def fragment_dims(tile_m: int, head_dim: int):
+    """How a block of `tile_m` queries x `head_dim` of the fragment-ordered dQacc is laid out
+    (`DQ_FRAGMENTS`): (J, query_dims, d_dims, perm). A block holds, per warpgroup wg, the values
+    [j][thread][4] (j < J, thread = 32 warp + lane, the 4 = accumulator values 4 j + 2 h + e);
+    the SM90 accumulator puts value 4 j + 2 h + e of (warp, lane) at row 16 warp + 8 h + lane // 4
+    and column 8 j + 2 (lane % 4) + e of the warpgroup's GEMM. Viewed as (b, h, blocks, wg, j,
+    warp, lane // 4, lane % 4, h, e), `perm` orders it as dQ's (b, blocks, *query_dims, h,
+    *d_dims):
+      tile 80 (dQ^T = K^T dS^T, d as rows): d = 64 wg + 16 warp + 8 h + lane // 4,
+          query = 80 m + 8 j + 2 (lane % 4) + e;
+      tile 128 (each warpgroup 64 of the rows): query = 128 m + 64 wg + 16 warp + 8 h + lane // 4,
+          d = 8 j + 2 (lane % 4) + e;
+      tile 64 (each warpgroup half of d): query = 64 m + 16 warp + 8 h + lane // 4,
+          d = head_dim / 2 wg + 8 j + 2 (lane % 4) + e."""
+    if tile_m == 80:
+        return 10, (10, 4, 2), (2, 4, 2, 8), (0, 2, 4, 7, 9, 1, 3, 5, 8, 6)
+    if tile_m == 2 * TILE:
+        return head_dim // 8, (2, 4, 2, 8), (head_dim // 8, 4, 2), (0, 2, 3, 5, 8, 6, 1, 4, 7, 9)
+    assert tile_m == TILE
+    return head_dim // 16, (4, 2, 8), (2, head_dim // 16, 4, 2), (0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
+
+
+def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: int):
     """dQ (b, s_q, h, d) in `dtype`, contiguous, from the fragment-ordered fp32 dQacc `buf`
-    (b, h, blocks * 80, 128) of d128's 80-query tile, times `scale` where given: one elementwise
-    pass (fp32 math, one rounding) from a permuted view of `buf` into dQ's whole blocks, and the
-    last, partial block through a one-block buffer. Block m, warpgroup wg holds
-    [value k // 4][thread][value % 4] with thread = 32 warp + lane; accumulator value
-    4 j + 2 h2 + e of (warp, lane) is dQ^T's row d = 64 wg + 16 warp + 8 h2 + lane // 4, column
-    (query) 80 m + 8 j + 2 (lane % 4) + e (the SM90 accumulator's layout, dQ^T = K^T dS^T)."""
+    (b, h, blocks * tile_m, d) (`fragment_dims`), times `scale` where given: one elementwise pass
+    (fp32 math, one rounding) from a permuted view of `buf` into dQ's whole blocks, and the last,
+    partial block through a one-block buffer."""
     import torch
 
     b, h, rows, d = buf.shape
-    assert d == 128 and rows % 80 == 0 and rows - 80 < seqlen_q <= rows
-    # (b, h, m, wg, j, warp, lane // 4, lane % 4, h2, e)
-    # -> (b, m, j, lane % 4, e | h | wg, warp, h2, lane // 4): dQ's (b, s, h, d), split
-    src = buf.view(b, h, rows // 80, 2, 10, 4, 8, 4, 2, 2).permute(0, 2, 4, 7, 9, 1, 3, 5, 8, 6)
+    assert rows % tile_m == 0 and rows - tile_m < seqlen_q <= rows
+    j, query_dims, d_dims, perm = fragment_dims(tile_m, d)
+    src = buf.view(b, h, rows // tile_m, 2, j, 4, 8, 4, 2, 2).permute(*perm)
 
     def write(dst, part):
         return dst.copy_(part) if scale is None else torch.mul(part, scale, out=dst)
 
     dq = torch.empty(b, seqlen_q, h, d, device=buf.device, dtype=dtype)
-    full = seqlen_q // 80
+    full = seqlen_q // tile_m
     if full:
-        write(dq[:, : full * 80].view(b, full, 10, 4, 2, h, 2, 4, 2, 8), src[:, :full])
-    if full * 80 < seqlen_q:
-        last = torch.empty(b, 80, h, d, device=buf.device, dtype=dtype)
-        write(last.view(b, 1, 10, 4, 2, h, 2, 4, 2, 8), src[:, full:])
-        dq[:, full * 80 :] = last[:, : seqlen_q - full * 80]
+        write(dq[:, : full * tile_m].view(b, full, *query_dims, h, *d_dims), src[:, :full])
+    if full * tile_m < seqlen_q:
+        last = torch.empty(b, tile_m, h, d, device=buf.device, dtype=dtype)
+        write(last.view(b, 1, *query_dims, h, *d_dims), src[:, full:])
+        dq[:, full * tile_m :] = last[:, : seqlen_q - full * tile_m]
     return dq
 
 
@@ -763,9 +783,10 @@ def backward(
     tile_m = query_tile(version, d, bool(softcap), causal or left >= 0 or right >= 0)
     delta, lse2 = row_stats(out, dout, lse, dlse, tile_m)
     # The kernel and the host below agree on these two (both in the compile key).
-    dq_unscaled, dq_fragments = DQ_SCALE_AT_CAST, DQ_FRAGMENTS and version == 2 and tile_m == 80
+    dq_unscaled, dq_fragments = DQ_SCALE_AT_CAST, DQ_FRAGMENTS and version == 2 and not wide
     if dq_fragments:  # per (batch, head), whole blocks: each block's fragments contiguous
-        frag = torch.zeros(batch, heads, -(-seqlen_q // 80) * 80, d, device=q.device, dtype=torch.float32)
+        blocks = -(-seqlen_q // tile_m)
+        frag = torch.zeros(batch, heads, blocks * tile_m, d, device=q.device, dtype=torch.float32)
         dq_acc = frag.transpose(1, 2)[:, :seqlen_q]
     else:
         dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
@@ -807,7 +828,7 @@ def backward(
         dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
     scale = softmax_scale if dq_unscaled else None
     if dq_fragments:
-        dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale)
+        dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale, tile_m)
     else:
         dq = cast_dq(dq_acc, q.dtype, scale)
     grads = (dq, dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)

@@ -173,8 +173,8 @@ class BwdWsSm90(BwdSm90):
         self.varlen = varlen
         self.tile_m = tile_m
         self.dq_unscaled = dq_unscaled  # `BwdSm90`'s: no softmax scale on dQ's parts
-        # dQ leaves in fragment order (`stage_dq`, `issue_dq`): tile_m 80, dense (`sm90_bwd.DQ_FRAGMENTS`).
-        assert not dq_fragments or (tile_m == 80 and not varlen), "dq_fragments: tile_m 80, dense"
+        # dQ leaves in fragment order (`stage_dq`, `issue_dq`): dense (`sm90_bwd.DQ_FRAGMENTS`).
+        assert not (dq_fragments and varlen), "dq_fragments: dense"
         self.dq_fragments = dq_fragments
         # dQ per warpgroup: 64 rows x d / 2 columns (tile_m 64), or 64 of the 128 rows x d.
         self.dq_by_rows = tile_m == 2 * TILE_M
