@@ -7,7 +7,8 @@ runs one call only, for `ncu --kernel-name regex:BwdWsSm90`.
     python scripts/bwd_profile.py --d 64 --heads 32 --versions 2 --tile-m 64 128  # d64's query tile
     python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --tile-m 64 80  # d128's
     python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --tile-m 64 80 --dkv-tma  # dK, dV stores
-    python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide  # the d256 kernel (off by default)
+    python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide  # the wide kernel (off by default)
+    python scripts/bwd_profile.py --d 192 --dv 128 --heads 16 --versions 2 --wide  # DeepSeek's shape
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ def inputs(args):
     torch.manual_seed(0)
     shape = (args.batch, args.seqlen, args.heads, args.d)
     dtype = getattr(torch, args.dtype)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+    q, k = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
+    v = torch.randn(*shape[:3], args.dv or args.d, device="cuda", dtype=dtype)
     with torch.no_grad():
         out, lse = flash_attn_func(q, k, v, causal=args.causal, return_lse=True)
+    dout = torch.randn_like(out)
     return q, k, v, out, dout, lse
 
 
@@ -50,6 +53,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dv", type=int, default=None, help="v's head dim (default: --d)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16")
@@ -102,7 +106,9 @@ def main():
         hopper_fmha.backward.WIDE_BACKWARD = True
     q, k, v, out, dout, lse = inputs(args)
     scale = args.d**-0.5
-    fmul = 2.5 * 4 * args.batch * args.heads * args.seqlen**2 * args.d / (2 if args.causal else 1)
+    # 2.5 times the forward's FLOPs, 2 B H N^2 (d + dv), causal halved
+    dv = args.dv or args.d
+    fmul = 2.5 * 2 * args.batch * args.heads * args.seqlen**2 * (args.d + dv) / (2 if args.causal else 1)
 
     def call(version):
         return sm90_bwd.backward(
@@ -116,7 +122,9 @@ def main():
         call(None)
         torch.cuda.synchronize()
         return
-    name = f"B{args.batch} N{args.seqlen} H{args.heads} d{args.d} {args.dtype}"
+    name = (
+        f"B{args.batch} N{args.seqlen} H{args.heads} d{args.d}{f'/{dv}' if dv != args.d else ''} {args.dtype}"
+    )
     name += " causal" if args.causal else ""
     name += " deterministic" if args.deterministic else ""
     runs = [(version, 64) for version in args.versions if version == 1]

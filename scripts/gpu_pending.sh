@@ -5,8 +5,8 @@
 #
 # Logs go under $OUT (default /tmp/pending). Part 1: the GPU tests of everything below (one tier
 # run), then the d256 kernel timed. Part 2: the A/B measurements.
-#   backward.WIDE_BACKWARD      head dims past 128 on the d256 kernel (sm90_bwd_wide; session 26):
-#                               tests -k wide (454), bwd_profile --wide at d256 and d192/dv128
+#   backward.WIDE_BACKWARD      head dims past 128 on the wide kernel (sm90_bwd_wide; session 26), at
+#                               (256, 256) and (192, 128): tests -k wide (608), bwd_profile --wide
 #   sm90_bwd.DQ_SCALE_AT_CAST   dQacc unscaled, the scale applied as the host casts (bwd_profile --dq-at-cast)
 #   sm90_bwd.DQ_FRAGMENTS       dQ in fragment order, STS.128 + 1-D bulk reduce-add, every dense tile
 #                               (bwd_profile --dq-fragments), alone and with the above
@@ -18,17 +18,19 @@ mkdir -p "$OUT"
 part=${1:-1}
 
 if [ "$part" = 1 ]; then
-    python scripts/gpu_tier.py --out /tmp/pending-tier --archive "$OUT/tier.tar.gz" --procs 15 --budget 330 \
-        --stall 120 -k "wide or dq_scale or dq_fragments" tests/test_gpu_backward.py > "$OUT/tier.log" 2>&1
+    python scripts/gpu_tier.py --out /tmp/pending-tier --archive "$OUT/tier.tar.gz" --procs 15 --budget 420 \
+        --stall 120 --chunked -k "wide or dq_scale or dq_fragments" tests/test_gpu_backward.py > "$OUT/tier.log" 2>&1
     tail -2 "$OUT/tier.log"
     grep -h "^FAILED" /tmp/pending-tier/report*.txt | head -20
     # The d256 kernel: bf16 B4 N4096 hidden 2048 (H8), the backward preset's d256 cells
-    # (FA4 / cuDNN anchors, peers.md: 361 / 335 TFLOP/s); deterministic; d192 on padded copies.
+    # (FA4 / cuDNN anchors, peers.md: 361 / 335 TFLOP/s), causal or not, deterministic or not.
     for args in "" "--causal" "--deterministic" "--causal --deterministic"; do
         timeout 60 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide $args 2>&1 | grep -A4 TFLOP
     done | tee "$OUT/wide.txt"
-    timeout 60 python scripts/bwd_profile.py --d 192 --heads 8 --versions 2 --wide --causal 2>&1 \
-        | grep TFLOP | tee -a "$OUT/wide.txt"
+    # DeepSeek's (192, 128) natively, both masks; and (160, 160) on the d256 kernel's padded copies.
+    for args in "--d 192 --dv 128" "--d 192 --dv 128 --causal" "--d 160"; do
+        timeout 60 python scripts/bwd_profile.py $args --heads 16 --versions 2 --wide 2>&1 | grep TFLOP
+    done | tee -a "$OUT/wide.txt"
     exit 0
 fi
 

@@ -12,6 +12,9 @@ test failed or hung, 2 if the budget ran out (the unfinished processes are stopp
 Tests go out in collection order: neighbours, which often share a kernel, start on different
 processes at about the same time (the whole of tests/test_gpu_kernels.py, 2384 tests, took 212 s
 with 13 processes on the H200, 2026-11-24).
+`--chunked` deals contiguous runs of tests instead, for kernels without a disk cache (the
+backward's: each process compiles every kernel its tests need, so neighbours that share one are
+better kept together).
 `--archive` packs the folder into one .tar.gz (the device tool brings back at most 8 files).
 
     python scripts/gpu_tier.py --out /tmp/tier --archive $OUT/tier.tar.gz --procs 6 --budget 540 \
@@ -134,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds without a test outcome before a process is stopped",
     )
     p.add_argument("--archive", default=None, help="also pack --out into this .tar.gz")
+    p.add_argument(
+        "--chunked", action="store_true", help="contiguous runs of tests per process, not round-robin"
+    )
     args = p.parse_args(argv)
 
     out = Path(args.out)
@@ -143,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         tests += [line.strip() for line in Path(args.ids).read_text().splitlines() if line.strip()]
     print(f"{len(tests)} tests in {len(args.files)} files, {args.procs} processes", flush=True)
     start = time.monotonic()
-    workers = [Worker(i, tests[i :: args.procs], out) for i in range(args.procs)]
+    n, procs = len(tests), args.procs
+    shares = [
+        tests[i * n // procs : (i + 1) * n // procs] if args.chunked else tests[i::procs]
+        for i in range(procs)
+    ]
+    workers = [Worker(i, share, out) for i, share in enumerate(shares)]
     workers = [w for w in workers if w.ids]
     for w in workers:
         w.start()

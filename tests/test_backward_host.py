@@ -122,7 +122,7 @@ def dense_kernel(
 def binding_checked(key, kernel):
     """`kernel` behind the checks TVM-FFI makes at a compiled kernel's call (`tvm_ffi_binding`),
     against `fake_arguments` of the compile key."""
-    fake = sm90_bwd.fake_arguments(sm90_bwd._DTYPES[key[0]], key[1], key[3], key[5], key[6], key[10])
+    fake = sm90_bwd.fake_arguments(sm90_bwd._DTYPES[key[0]], key[1], key[3], key[5], key[6], key[10], key[15])
 
     def run(*args):
         assert_binds(fake[:-1], args, str(key))  # (the stream is TVM-FFI's current one)
@@ -140,7 +140,7 @@ def kernels(monkeypatch):
     def compile_bwd(*key):
         keys.append(key)
         # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
-        # tile_m, rotate, dq_unscaled, dq_fragments)
+        # tile_m, rotate, dq_unscaled, dq_fragments, dv)
         assert key[10] is False
         kernel = dense_kernel(launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11])
         return binding_checked(key, kernel)
@@ -207,6 +207,7 @@ def test_launch_matches_the_kernel_signature(kernels):
             False,
             False,
             False,
+            64,
         )
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
@@ -641,14 +642,20 @@ def wide(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "d, dv, kv_heads, causal, deterministic",
-    [(256, 256, 2, True, False), (192, 128, 2, True, False), (160, 160, 4, False, True),
-     (256, 256, 1, False, True), (136, 136, 4, True, False)],
-    ids=["d256-gqa", "d192-dv128", "d160-mha-deterministic", "d256-mqa-deterministic", "d136-mha"],
+    "d, dv, kv_heads, causal, deterministic, kernel",
+    [(256, 256, 2, True, False, (256, 256)), (192, 128, 2, True, False, (192, 128)),
+     (160, 160, 4, False, True, (256, 256)), (256, 256, 1, False, True, (256, 256)),
+     (136, 136, 4, True, False, (256, 256)), (136, 64, 2, False, False, (192, 128)),
+     (192, 96, 4, False, True, (192, 128)), (200, 128, 2, True, False, (256, 256))],
+    ids=["d256-gqa", "d192-dv128", "d160-mha-deterministic", "d256-mqa-deterministic", "d136-mha",
+         "d136-dv64", "d192-dv96-mha-deterministic", "d200-dv128"],
 )  # fmt: skip
-def test_head_dims_past_128_run_the_d256_kernel(kernels, wide, d, dv, kv_heads, causal, deterministic):
-    # Past 128 the d256 kernel runs, on zero-padded copies below 256: dK, dV per q head (fp32 with
-    # GQA, summed by the host; no atomic sums), 64-query steps, no rotated deterministic walk.
+def test_head_dims_past_128_run_the_wide_kernel(
+    kernels, wide, d, dv, kv_heads, causal, deterministic, kernel
+):
+    # Past 128 the wide kernel runs at (192, 128) or (256, 256), on zero-padded copies to the first
+    # at least as large: dK, dV per q head (fp32 with GQA, summed by the host; no atomic sums),
+    # 64-query steps, no rotated deterministic walk.
     launches, keys = kernels
     g = torch.Generator().manual_seed(d + dv)
     q = torch.randn(2, 70, 4, d, generator=g).to(torch.bfloat16)
@@ -660,10 +667,11 @@ def test_head_dims_past_128_run_the_d256_kernel(kernels, wide, d, dv, kv_heads, 
         q, k, v, out.to(q.dtype), dout, lse, d**-0.5, causal, deterministic=deterministic
     )
     # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
-    # tile_m, rotate, dq_unscaled, dq_fragments)
+    # tile_m, rotate, dq_unscaled, dq_fragments, dv)
     key = keys[-1]
-    assert key[1] == 256 and key[4] == 2 and key[6] is False and key[11] == 64 and key[12] is False
-    assert launches[-1]["q"].shape[-1] == 256
+    assert (key[1], key[15]) == kernel and key[4] == 2 and key[6] is False and key[11] == 64
+    assert key[12] is False and key[14] is False
+    assert launches[-1]["q"].shape[-1] == kernel[0] and launches[-1]["dk"].shape[-1] == kernel[0]
     assert launches[-1]["dk"].dtype == (torch.bfloat16 if kv_heads == 4 else torch.float32)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     o, _ = reference(*leaves, d**-0.5, causal, dtype=torch.float64)
@@ -695,7 +703,7 @@ def test_varlen_head_dim_192_dv_128(varlen_kernels, wide):
     out, lse = reference_varlen(q, k, v, cu_q, cu_k, softmax_scale=192**-0.5, causal=True)
     dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
     grads = sm90_bwd.backward_varlen(q, k, v, out.to(q.dtype), dout, lse, cu_q, cu_k, 70, 90, 192**-0.5, True)
-    assert keys[-1][1] == 256 and keys[-1][6] is False and launches[-1]["q"].shape[-1] == 256
+    assert (keys[-1][1], keys[-1][15]) == (192, 128) and keys[-1][6] is False
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=192**-0.5, causal=True, dtype=torch.float64)
     ref = torch.autograd.grad(o, leaves, dout.double())

@@ -331,8 +331,9 @@ def test_dq_fragments_stage_in_16_byte_stores(case, deterministic):
         assert stack_bytes(plain) == stack
 
 
-# The d256 kernel (`kernels/sm90_bwd_wide.py`; `backward.WIDE_BACKWARD`, off until the GPU tier
-# has run it): 48 keys per CTA, dK^T and dV^T with d as WGMMA's M, P and dS through shared memory.
+# The wide kernel (`kernels/sm90_bwd_wide.py`; `backward.WIDE_BACKWARD`, off until the GPU tier
+# has run it): dK^T and dV^T with d as WGMMA's M, P and dS through shared memory; (256, 256) 48 keys
+# per CTA, the warpgroups splitting d; (192, 128) 96 keys, the warpgroups splitting them.
 WIDE_CONFIGS = {
     "full": dict(causal=False),
     "causal-mha": dict(causal=True, mha=True),
@@ -340,28 +341,39 @@ WIDE_CONFIGS = {
     "window-softcap": dict(causal=False, window_left=True, window_right=True, softcap=True),
     "varlen": dict(causal=True, varlen=True),
 }
+# (S + dP, dV^T + dK^T, dQ WGMMAs a block; their shapes; a thread's 16-bit P and dS words and fp32
+# dQ values into shared memory)
+WIDE_SHAPES = {
+    (256, 256): ((16 + 16, 8 + 8, 3), ["64x24x16", "64x48x16", "64x128x16"], 12 + 64),
+    (192, 128): ((12 + 8, 8 + 12, 6), ["64x48x16", "64x96x16"], 24 + 48),
+}
 
 
-@pytest.mark.parametrize("cfg", list(WIDE_CONFIGS), ids=list(WIDE_CONFIGS))
-def test_d256_kernel_compiles_without_spills(cfg):
+@pytest.mark.parametrize("dims", list(WIDE_SHAPES), ids=[f"d{a}-dv{b}" for a, b in WIDE_SHAPES])
+@pytest.mark.parametrize("cfg", list(WIDE_CONFIGS))
+def test_wide_kernel_compiles_without_spills(cfg, dims):
     from hopper_fmha.kernels.sm90_bwd import compile_bwd
 
+    (sdp, dkv, dq), shapes, words = WIDE_SHAPES[dims]
     with tempfile.TemporaryDirectory() as dump:
         cubin = compile_bwd(
-            "bfloat16", 256, options=f"--keep-cubin --dump-dir={dump}", **WIDE_CONFIGS[cfg]
+            "bfloat16",
+            dims[0],
+            head_dim_v=dims[1],
+            options=f"--keep-cubin --dump-dir={dump}",
+            **WIDE_CONFIGS[cfg],
         ).artifacts.CUBIN
     assert stack_bytes(cubin) == 0, f"{stack_bytes(cubin)} bytes of stack: registers spill"
     text = sass_or_skip(cubin)
     summary = sass_summary(text)
-    # Per query block, all from shared memory: S and dP (K = 256: 16 each, N = 24 keys a
-    # warpgroup), dV^T and dK^T (two 64-row blocks of d a warpgroup, K = 64 queries: 8 each,
-    # N = 48 keys), dQ (K = 48 keys: 3, N = 128, a warpgroup's half of d).
-    assert summary["hgmma_ss"] == 16 + 16 + 8 + 8 + 3 and summary["hgmma_rs"] == 0
-    assert summary["hgmma_shapes"] == ["64x24x16", "64x48x16", "64x128x16"]
+    # Per query block, all from shared memory: S and dP (K = d and dv, 16 per WGMMA), dV^T and dK^T
+    # (64-row blocks of dv and d, K = 64 queries), dQ (K = the CTA's keys, N = d / 2).
+    assert summary["hgmma_ss"] == sdp + dkv + dq and summary["hgmma_rs"] == 0
+    assert summary["hgmma_shapes"] == shapes
     assert "USETMAXREG" in text and "UTMAREDG" in text
     # LSE log2 e and D by TMA with Q and dO: no global loads but varlen's cu_seqlens.
     assert ("LDG.E" in text) == (cfg == "varlen")
-    # A thread's words into shared memory per query block: P and dS 12 (24 16-bit values as
-    # pairs), its 64 fp32 values of dQ: nothing stored twice.
-    words = len(re.findall(r"\bSTS\b(?!\.)", text)) + 2 * text.count("STS.64") + 4 * text.count("STS.128")
-    assert words == 12 + 64
+    # A thread's 4-byte words into shared memory per query block: P and dS as 16-bit pairs, its
+    # fp32 values of dQ: nothing stored twice.
+    stored = len(re.findall(r"\bSTS\b(?!\.)", text)) + 2 * text.count("STS.64") + 4 * text.count("STS.128")
+    assert stored == words

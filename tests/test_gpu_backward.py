@@ -673,7 +673,48 @@ def test_wide_score_features(hopper_gpu, wide, dtype, deterministic, feature, se
     test_score_features_backward(hopper_gpu, dtype, deterministic, 256, feature, seqlens, heads)
 
 
-WIDE_PADDED_DIMS = [(192, 128), (192, 192), (160, 160), (136, 64), (256, 128)]
+WIDE_192_SEQLENS = [(1, 1), (113, 203), (128, 1000), (1023, 1024)]
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", WIDE_192_SEQLENS, ids=[f"{a}x{b}" for a, b in WIDE_192_SEQLENS])
+@pytest.mark.parametrize("feature", ["plain", "causal", "both", "softcap-causal", "sink", "all"])
+@pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
+def test_wide_192_128(hopper_gpu, wide, dtype, deterministic, feature, seqlens, heads):
+    # DeepSeek's (192, 128), natively: 96 keys per CTA, dK^T and dV^T split by keys, K's 64-byte
+    # swizzle; through flash_attn_func's autograd, deterministic twice bitwise equal.
+    import hopper_fmha
+
+    causal, features = {"plain": (False, {}), "causal": (True, {})}.get(feature) or FEATURES[feature]
+    sq, sk = seqlens
+    h, hkv = HEADS[heads]
+    seed = zlib.crc32(repr(("wide-192-128", feature, seqlens, heads, str(dtype))).encode())
+    q, k, _ = make_inputs(2, sq, sk, h, hkv, 192, dtype, seed)
+    v = make_inputs(2, sq, sk, h, hkv, 128, dtype, seed + 1)[2]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sink = None
+    if features.get("sink"):
+        sink = torch.randn(
+            h, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)
+        ).requires_grad_()
+    kwargs = dict(window_size=features.get("window", (-1, -1)), softcap=features.get("softcap", 0.0))
+    out = hopper_fmha.flash_attn_func(
+        q, k, v, causal=causal, learnable_sink=sink, deterministic=deterministic, **kwargs
+    )
+    dout = torch.randn_like(out)
+    inputs = (q, k, v) + ((sink,) if sink is not None else ())
+    ours = torch.autograd.grad(out, inputs, dout, retain_graph=deterministic)
+    ref_kw = dict(window=kwargs["window_size"], softcap=kwargs["softcap"], sink=sink)
+    ref = grads(q, k, v, dout, 192**-0.5, causal, torch.float64, **ref_kw)
+    base = grads(q, k, v, dout, 192**-0.5, causal, dtype, **ref_kw)
+    check_grads(ours[:3], ref[:3], base[:3], dtype)
+    if sink is not None:
+        check_sink_grad(ours[3], ref[3], base[3])
+    if deterministic:
+        check_repeats_bitwise(ours, out, inputs, dout)
+
+
+WIDE_PADDED_DIMS = [(192, 64), (192, 192), (160, 160), (136, 64), (256, 128), (136, 136)]
 
 
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=["113x203", "1023x1024"])
@@ -681,7 +722,7 @@ WIDE_PADDED_DIMS = [(192, 128), (192, 192), (160, 160), (136, 64), (256, 128)]
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_wide_padded_head_dims(hopper_gpu, wide, dtype, causal, dims, seqlens):
-    # DeepSeek's (192, 128) and the other head dims past 128 on zero-padded copies.
+    # Head dims past 128 on zero-padded copies of (192, 128) or (256, 256).
     test_padded_head_dims(hopper_gpu, dtype, causal, dims, seqlens)
 
 

@@ -17,9 +17,9 @@ reduces from the kernel's row sums: `sink_gradient`; windows and softcap are the
 `flash_attn_varlen_func` has the same backward through `hopper_fmha::varlen_bwd` (without
 seqused_k). Other head dims are refused before the forward runs, with the rule named.
 
-Head dims past 128 (up to 256; DeepSeek's 192 / 128 among them): the d256 kernel
-`kernels/sm90_bwd_wide.py`, on zero-padded copies below 256, built in session 26 without a GPU and
-off (`WIDE_BACKWARD`) until `tests/test_gpu_backward.py -k wide` has passed on one.
+Head dims past 128 (up to 256): the wide kernel `kernels/sm90_bwd_wide.py` at (192, 128) and
+(256, 256), the others on zero-padded copies, built in session 26 without a GPU and off
+(`WIDE_BACKWARD`) until `tests/test_gpu_backward.py -k wide` has passed on one.
 """
 
 from __future__ import annotations
@@ -27,17 +27,19 @@ from __future__ import annotations
 import torch
 
 HEAD_DIMS = (64, 128)  # = kernels.sm90_bwd.HEAD_DIMS (that module needs the CuTe DSL to import)
-# Head dims past 128 up to 256: the d256 kernel (`kernels.sm90_bwd_wide`), on zero-padded copies
-# below 256. Off: built in session 26 without a GPU (compile tier and host stand-ins only); the
-# GPU tests `test_gpu_backward.py -k wide` turn it on for themselves.
+# Head dims past 128: the wide kernel (`kernels.sm90_bwd_wide`) at (head_dim, head_dim_v) = (192, 128)
+# and (256, 256) (= its SHAPES), the others in (128, 256] on zero-padded copies. Off: built in
+# session 26 without a GPU (compile tier and host stand-ins only); the GPU tests
+# `test_gpu_backward.py -k wide` turn it on for themselves.
 WIDE_BACKWARD = False
-WIDE_HEAD_DIM = 256
+WIDE_KERNEL_DIMS = ((192, 128), (256, 256))
 
 
-def head_dims() -> tuple[int, ...]:
-    """The backward kernels' head dims; other head dims up to the largest run the next kernel up
-    on zero-padded copies (`kernels.sm90_bwd.kernel_head_dim`)."""
-    return HEAD_DIMS + ((WIDE_HEAD_DIM,) if WIDE_BACKWARD else ())
+def kernel_dims() -> tuple[tuple[int, int], ...]:
+    """The backward kernels' (head_dim, head_dim_v) pairs, cheapest first; other head dims run
+    the first pair at least as large in both on zero-padded copies
+    (`kernels.sm90_bwd.kernel_head_dims`)."""
+    return tuple((d, d) for d in HEAD_DIMS) + (WIDE_KERNEL_DIMS if WIDE_BACKWARD else ())
 
 
 def grad_needed(q, k, v, sink=None) -> bool:
@@ -55,11 +57,12 @@ def check_supported(head_dim: int, head_dim_v: int, deterministic) -> None:
     variant serves: the backward needs only out and the exact LSE (score features included)."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
-    dims = head_dims()
-    if head_dim > dims[-1] or head_dim_v > dims[-1]:
+    dims = kernel_dims()
+    if not any(head_dim <= kd and head_dim_v <= kdv for kd, kdv in dims):
+        natively = " and ".join(str(kd) if kd == kdv else f"{kd}/{kdv}" for kd, kdv in dims)
         raise NotImplementedError(
-            f"hopper_fmha's backward pass supports head dims up to {dims[-1]} (q, k's and v's; "
-            f"{' and '.join(map(str, dims))} natively, others padded to the next); got head_dim "
+            f"hopper_fmha's backward pass supports head dims up to {dims[-1][0]} (q, k's and v's; "
+            f"{natively} natively, others padded to the next); got head_dim "
             f"{head_dim}, head_dim_v {head_dim_v} (forward only: call under torch.no_grad())"
         )
 

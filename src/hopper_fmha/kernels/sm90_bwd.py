@@ -62,8 +62,6 @@ from .sm90_common import (
 NUM_THREADS = 128
 TILE = 64  # keys per CTA and queries per step
 HEAD_DIMS = (64, 128)
-# Version 2's kernel for head dims past 128 (`sm90_bwd_wide`), on zero-padded copies below it.
-WIDE_HEAD_DIM = 256
 # CUDA's limit on gridDim.y and .z (heads, batch): the host launches in parts past it.
 GRID_YZ_MAX = _GRID_YZ_MAX
 
@@ -403,8 +401,10 @@ def fake_arguments(
     mha: bool = False,
     dkv_atomic: bool = False,
     varlen: bool = False,
+    head_dim_v: int | None = None,
 ):
-    """Compile-time stand-ins for `BwdSm90.__call__`'s arguments: sizes symbolic, 16-bit and fp32
+    """Compile-time stand-ins for `BwdSm90.__call__`'s arguments (v, dO, dV of head_dim_v where
+    given): sizes symbolic, 16-bit and fp32
     tensors with TMA-ready strides (multiples of 8 elements, 16-byte aligned), LSE and D's last
     mode contiguous, the semaphores (deterministic mode) contiguous; the stream TVM-FFI's current one.
     dK, dV: fp32 per q head, or (mha) in the inputs' type, the gradients themselves, or
@@ -415,21 +415,20 @@ def fake_arguments(
     b, sq, sk, h, hkv, nm, sp = (cute.sym_int() for _ in range(7))
     dq_rows, sem_batch = (cute.sym_int(), cute.sym_int()) if varlen else (sq, b)
 
-    def bshd(seqlen, heads, elem):
+    def bshd(seqlen, heads, elem, dim=head_dim):
         stride = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
-        return cute.runtime.make_fake_tensor(
-            elem, (b, seqlen, heads, head_dim), stride=stride, assumed_align=16
-        )
+        return cute.runtime.make_fake_tensor(elem, (b, seqlen, heads, dim), stride=stride, assumed_align=16)
 
     def bhs():  # (b, h, s_pad): s_pad a multiple of 64, so every stride is (v2's TMA takes them)
         stride = (cute.sym_int64(divisibility=64), cute.sym_int64(divisibility=64), 1)
         return cute.runtime.make_fake_tensor(Float32, (b, h, sp), stride=stride, assumed_align=256)
 
-    q, do = bshd(sq, h, dtype), bshd(sq, h, dtype)
-    k, v = bshd(sk, hkv, dtype), bshd(sk, hkv, dtype)
+    dim_v = head_dim if head_dim_v is None else head_dim_v
+    q, do = bshd(sq, h, dtype), bshd(sq, h, dtype, dim_v)
+    k, v = bshd(sk, hkv, dtype), bshd(sk, hkv, dtype, dim_v)
     dkv = dtype if mha else Float32
     dkv_heads = hkv if dkv_atomic else h
-    dq, dk, dv = bshd(dq_rows, h, Float32), bshd(sk, dkv_heads, dkv), bshd(sk, dkv_heads, dkv)
+    dq, dk, dv = bshd(dq_rows, h, Float32), bshd(sk, dkv_heads, dkv), bshd(sk, dkv_heads, dkv, dim_v)
     sem = None
     if deterministic:
         sem = cute.runtime.make_fake_tensor(
@@ -472,24 +471,28 @@ def compile_bwd(
     rotate: bool = False,
     dq_unscaled: bool = False,
     dq_fragments: bool = False,
+    head_dim_v: int | None = None,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
     window_left/right, softcap: the score features the kernel handles; varlen: packed sequences;
     tile_m: queries per step (`query_tile`); rotate: the deterministic walk (`rotates`) (version 2
     only); dq_unscaled: dQacc without the softmax scale (`DQ_SCALE_AT_CAST`); dq_fragments: dQacc in
-    fragment order (`DQ_FRAGMENTS`).
+    fragment order (`DQ_FRAGMENTS`); head_dim_v: v's, dO's, dV's (None: head_dim), past 128 the
+    wide kernel's pairs (`sm90_bwd_wide.SHAPES`).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
-    if version == 2 and head_dim == WIDE_HEAD_DIM:
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if version == 2 and head_dim > HEAD_DIMS[-1]:
         from .sm90_bwd_wide import BwdWideSm90
 
-        assert not (dkv_atomic or rotate or dq_fragments), "d256: dK, dV per q head, no rotation or fragments"
-        assert tile_m == TILE, "d256 steps 64 queries"
+        assert not (dkv_atomic or rotate or dq_fragments), "wide: dK, dV per q head, no rotation or fragments"
+        assert tile_m == TILE, "the wide kernel steps 64 queries"
         kernel = BwdWideSm90(
-            dtype, causal, deterministic, window_left, window_right, softcap, varlen, dq_unscaled
-        )
+            dtype, head_dim, head_dim_v, causal, deterministic, window_left, window_right, softcap, varlen,
+            dq_unscaled,
+        )  # fmt: skip
     elif version == 2:
         from .sm90_bwd_ws import BwdWsSm90
 
@@ -505,7 +508,9 @@ def compile_bwd(
         assert not dq_fragments, "version 1: dQ by atomics"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic, dq_unscaled)
     return cute.compile(
-        kernel, *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic, varlen), options=opts
+        kernel,
+        *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic, varlen, head_dim_v),
+        options=opts,
     )
 
 
@@ -645,20 +650,21 @@ def query_tile(version: int, head_dim: int, softcap: bool = False, masked: bool 
     return D128_TILE_M if head_dim == 128 and not masked else TILE
 
 
-def kernel_head_dim(head_dim: int, head_dim_v: int) -> int:
-    """The kernels' head dim for q, k's `head_dim` and v's `head_dim_v`: the smallest of
-    `backward.head_dims()` (HEAD_DIMS, and WIDE_HEAD_DIM where the d256 kernel is on) at least as
-    large as both. The host zero-pads q, k, v, out and dout to it, which is exact: zero columns
-    add nothing to S = Q K^T, dP = dO V^T or D = rowsum(dO O), and the padding's gradients are
-    dropped. Raises NotImplementedError past the largest (no kernel yet)."""
-    from hopper_fmha.backward import head_dims
+def kernel_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """The kernels' (head_dim, head_dim_v) for q, k's `head_dim` and v's `head_dim_v`: the first
+    of `backward.kernel_dims()` ((64, 64), (128, 128), and the wide kernel's (192, 128),
+    (256, 256) where it is on) at least as large in both. The host zero-pads q, k to the first, v,
+    out and dout to the second, which is exact: zero columns add nothing to S = Q K^T, dP = dO V^T
+    or D = rowsum(dO O), and the padding's gradients are dropped. Raises NotImplementedError past
+    the largest (no kernel yet)."""
+    from hopper_fmha.backward import kernel_dims
 
-    dims = head_dims()
-    for kd in dims:
-        if head_dim <= kd and head_dim_v <= kd:
-            return kd
+    dims = kernel_dims()
+    for kd, kdv in dims:
+        if head_dim <= kd and head_dim_v <= kdv:
+            return kd, kdv
     raise NotImplementedError(
-        f"the backward kernels take head dims up to {dims[-1]} (q, k's and v's); got head_dim "
+        f"the backward kernels take head dims up to {dims[-1][0]} (q, k's and v's); got head_dim "
         f"{head_dim}, head_dim_v {head_dim_v}"
     )
 
@@ -679,11 +685,14 @@ def _window_sides(window_size, causal: bool) -> tuple[int, int]:
     return left, -1 if causal else right
 
 
-def _padded(tensors, kd: int):
-    """The tensors with their last mode zero-padded to kd."""
+def _padded(tensors, kd: int, kdv: int):
+    """q, k, v, out, dout with their last mode zero-padded to the kernel's head dims: kd (q, k) and
+    kdv (v, out, dout)."""
     import torch.nn.functional as F
 
-    return [t if t.shape[-1] == kd else F.pad(t, (0, kd - t.shape[-1])) for t in tensors]
+    dims = (kd, kd, kdv, kdv, kdv)
+    pairs = zip(tensors, dims, strict=True)
+    return [t if t.shape[-1] == n else F.pad(t, (0, n - t.shape[-1])) for t, n in pairs]
 
 
 def _unpadded(grads, head_dim: int, head_dim_v: int):
@@ -761,20 +770,21 @@ def backward(
     batch, seqlen_q, heads, d = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     _check_inputs(dtype_name, q, out, dout)
-    kd = kernel_head_dim(d, v.shape[3])
-    if kd != d or kd != v.shape[3]:  # the next kernel up, on zero-padded copies
+    dv = v.shape[3]
+    kd, kdv = kernel_head_dims(d, dv)
+    if (kd, kdv) != (d, dv):  # the next kernel up, on zero-padded copies
         grads = backward(
-            *_padded((q, k, v, out, dout), kd), lse, softmax_scale, causal, dlse=dlse,
+            *_padded((q, k, v, out, dout), kd, kdv), lse, softmax_scale, causal, dlse=dlse,
             deterministic=deterministic, version=version, window_size=window_size, softcap=softcap,
             learnable_sink=learnable_sink,
         )  # fmt: skip
-        return _unpadded(grads, d, v.shape[3])
+        return _unpadded(grads, d, dv)
     version = DEFAULT_VERSION if version is None else version
-    if d == WIDE_HEAD_DIM and version != 2:
+    wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
+    if wide and version != 2:
         raise NotImplementedError(
-            f"backward kernel version {version} takes head dims up to 128 (d256: version 2)"
+            f"backward kernel version {version} takes head dims up to 128 (past 128: version 2)"
         )
-    wide = d == WIDE_HEAD_DIM  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
     left, right = _window_sides(window_size, causal)
     features = (left >= 0, right >= 0, bool(softcap))  # which, not their sizes: runtime values
     if any(features) and version != 2:
@@ -795,17 +805,18 @@ def backward(
     # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;
     # otherwise per q head, summed below. Each key row is written by the CTA that owns it.
     atomic = version == 2 and not mha and not deterministic and not wide
-    if atomic:
-        dk = torch.zeros(batch, seqlen_k, kv_heads, d, device=q.device, dtype=torch.float32)
-    else:
-        dk = torch.empty(batch, seqlen_k, heads, d, device=q.device, dtype=q.dtype if mha else torch.float32)
-    dv = torch.empty_like(dk) if not atomic else torch.zeros_like(dk)
+    dkv_heads = kv_heads if atomic else heads
+    dkv_dtype = q.dtype if mha and not atomic else torch.float32
+    dk, dv_ = (torch.empty(batch, seqlen_k, dkv_heads, n, device=q.device, dtype=dkv_dtype) for n in (d, dv))
+    if atomic:  # sums
+        dk.zero_()
+        dv_.zero_()
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
     rotate = not wide and rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
-    key = key + (rotate, dq_unscaled, dq_fragments)
+    key = key + (rotate, dq_unscaled, dq_fragments, dv)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -817,21 +828,21 @@ def backward(
             dkv = kv if atomic else h  # dK, dV's heads: kv heads or q heads
             fn(
                 q[b, :, h], k[b, :, kv], v[b, :, kv], dout[b, :, h], lse2[b, h], delta[b, h],
-                dq_acc[b, :, h], dk[b, :, dkv], dv[b, :, dkv], None if sem is None else sem[b, h],
+                dq_acc[b, :, h], dk[b, :, dkv], dv_[b, :, dkv], None if sem is None else sem[b, h],
                 softmax_scale, group, left, right, float(softcap), None, None, 0,
             )  # fmt: skip
     else:
         dk.zero_()
-        dv.zero_()
+        dv_.zero_()
     if not mha and not atomic:
         dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
-        dv = dv.view(batch, seqlen_k, kv_heads, group, d).sum(3)
+        dv_ = dv_.view(batch, seqlen_k, kv_heads, group, dv).sum(3)
     scale = softmax_scale if dq_unscaled else None
     if dq_fragments:
         dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale, tile_m)
     else:
         dq = cast_dq(dq_acc, q.dtype, scale)
-    grads = (dq, dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)
+    grads = (dq, dk.to(q.dtype), dv_.to(q.dtype))  # (no copy where already q's type)
     if learnable_sink is None:
         return grads
     from hopper_fmha.backward import sink_gradient
@@ -876,14 +887,15 @@ def backward_varlen(
     total_k, kv_heads = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
     _check_inputs(dtype_name, q, out, dout)
-    kd = kernel_head_dim(d, v.shape[2])
-    if kd != d or kd != v.shape[2]:  # the next kernel up, on zero-padded copies
+    dv = v.shape[2]
+    kd, kdv = kernel_head_dims(d, dv)
+    if (kd, kdv) != (d, dv):  # the next kernel up, on zero-padded copies
         grads = backward_varlen(
-            *_padded((q, k, v, out, dout), kd), lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, causal, dlse=dlse, deterministic=deterministic, window_size=window_size,
-            softcap=softcap, learnable_sink=learnable_sink,
+            *_padded((q, k, v, out, dout), kd, kdv), lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, softmax_scale, causal, dlse=dlse, deterministic=deterministic,
+            window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
         )  # fmt: skip
-        return _unpadded(grads, d, v.shape[2])
+        return _unpadded(grads, d, dv)
     if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
         raise NotImplementedError(
             f"the varlen backward launches one grid: at most {GRID_YZ_MAX} sequences and q heads, "
@@ -914,14 +926,12 @@ def backward_varlen(
     dq_acc = torch.zeros(total_pad, heads, d, device=device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
-    wide = d == WIDE_HEAD_DIM  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
+    wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
     atomic = not mha and not deterministic and not wide
     # Zeroed: keys past max_seqlen_k (a max_seqlen_k below the truth) get no CTA.
-    if atomic:
-        dk = torch.zeros(total_k, kv_heads, d, device=device, dtype=torch.float32)
-    else:
-        dk = torch.zeros(total_k, heads, d, device=device, dtype=q.dtype if mha else torch.float32)
-    dv = torch.zeros_like(dk)
+    dkv_dtype = q.dtype if mha else torch.float32
+    dkv_heads = kv_heads if atomic else heads
+    dk, dv_ = (torch.zeros(total_k, dkv_heads, n, device=device, dtype=dkv_dtype) for n in (d, dv))
     sem = None
     if deterministic:
         # A counter per query block of any sequence: sized by total_q, not max_seqlen_q, so that a
@@ -936,22 +946,23 @@ def backward_varlen(
         not wide and rotates(deterministic, 2, causal, left, right, max_seqlen_k, device),
         dq_unscaled,
         False,  # dq_fragments: dense only
+        dv,
     )
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
     if total_k > 0 and total_q > 0 and batch > 0 and max_seqlen_k > 0:
         fn(
-            q[None], k[None], v[None], dout[None], lse2[None], delta[None], dq_acc[None], dk[None], dv[None],
+            q[None], k[None], v[None], dout[None], lse2[None], delta[None], dq_acc[None], dk[None], dv_[None],
             sem, softmax_scale, group, left, right, float(softcap), cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
         )  # fmt: skip
     if not mha and not atomic:
         dk = dk.view(total_k, kv_heads, group, d).sum(2)
-        dv = dv.view(total_k, kv_heads, group, d).sum(2)
+        dv_ = dv_.view(total_k, kv_heads, group, dv).sum(2)
     grads = (
         cast_dq(dq_acc[padded], q.dtype, softmax_scale if dq_unscaled else None),
         dk.to(q.dtype),
-        dv.to(q.dtype),
+        dv_.to(q.dtype),
     )
     if learnable_sink is None:
         return grads

@@ -1,34 +1,41 @@
-"""Backward pass for head dim 256 (and, on zero-padded copies, every head dim in (128, 256]).
+"""Backward pass for head dims past 128: (256, 256), and DeepSeek's (192, 128) (q, k's and v's);
+the others in (128, 256] run one of them on zero-padded copies.
 
 The second version's kernel (`sm90_bwd_ws`: a producer warp, two consumer warpgroups, the same
-preprocess, dQ reduce-add, deterministic turns, masks, softcap and varlen) cannot hold d = 256:
-there each consumer warpgroup keeps dK and dV of 64 keys x d in registers (WGMMA's M is 64 rows
-per warpgroup), 256 fp32 values per thread at d256. Here the GEMMs that make dK and dV are turned
-around so that d is their M (FlashAttention-3's dKV_swapAB, FA4's d256 configuration), and a CTA
-owns 48 keys:
+preprocess, dQ reduce-add, deterministic turns, masks, softcap and varlen) cannot hold these head
+dims: there each consumer warpgroup keeps dK and dV of 64 keys x d in registers (WGMMA's M is 64
+rows per warpgroup), 256 fp32 values per thread at d256. Here the GEMMs that make dK and dV are
+turned around so that d is their M (FlashAttention-3's dKV_swapAB, FA4's configurations at these
+head dims), and a CTA owns tile_n keys (`SHAPES`: 48 at d256, 96 at 192/128):
 
-    S    = Q_m K^T          SS-WGMMA, M = 64 queries, N = 48 keys (warpgroup w: keys [24w, 24w + 24))
+    S    = Q_m K^T          SS-WGMMA, M = 64 queries, N = tile_n keys, a warpgroup per half of them
     dP   = dO_m V^T         the same
     P, dS in registers      rows are queries here: a thread's LSE and D are those of its two rows
     P, dS -> sP, sdS        4-byte stores; both warpgroups' columns, then a named barrier
-    dV^T += dO_m^T P        SS-WGMMA, M = d (warpgroup w: the 64-row blocks 2i + w), N = 48 keys,
-    dK^T += Q_m^T dS        K = 64 queries; A and B both MN-major views of the row-major buffers
+    dV^T += dO_m^T P        SS-WGMMA, M = dv or d, N = keys, K = 64 queries; A and B both MN-major
+    dK^T += Q_m^T dS        views of the row-major buffers. The warpgroups split them by d (64-row
+                            blocks alternating: d256, 48 keys, 48 values each a thread) or by keys
+                            (half each: 192/128, 96 keys, dK^T 72 and dV^T 48 values a thread)
     dQ_m[:, half w] = dS K[:, half w]
-                            SS-WGMMA, M = 64 queries, N = 128 (warpgroup w's half of d), K = 48
-                            keys; staged and added into dQacc by one TMA reduce-add per warpgroup,
-                            as `sm90_bwd_ws` at tile_m 64
+                            SS-WGMMA, M = 64 queries, N = d / 2 (warpgroup w's half of d), K =
+                            tile_n keys; staged and added into dQacc by one TMA reduce-add per
+                            warpgroup, as `sm90_bwd_ws` at tile_m 64
 
-Registers per consumer thread: dK^T and dV^T 48 each, dQ 64, S and dP 12 each. Shared memory:
-K, V 24 KB each, Q two stages (64 KB), dO one stage (32 KB), sP and sdS one buffer each (6 KB
-each), the dQ staging 64 KB: 221 KB of 227. With one sP/sdS buffer, a warpgroup writes block
-m + 1's P and dS only after both warpgroups' GEMMs of block m have read them (`BARRIER_PDS_FREE`).
+Shared memory: d256 K, V 24 KB each, Q two stages (64 KB), dO one (32 KB), sP and sdS one buffer
+each (6 KB each), the dQ staging 64 KB: 222 KB of 227; 192/128 K 36, V 24, Q 48, dO two stages 32,
+sP, sdS 12 each, dQ 48: 214 KB (K's swizzle atoms 32 columns wide there, `__call__`). With one
+sP/sdS buffer, a warpgroup writes block m + 1's P and dS only after both warpgroups' GEMMs of block
+m have read them (`BARRIER_PDS_FREE`).
 
-dK and dV leave from registers (the accumulator's (d, key) pairs: 2-byte stores in the inputs'
+dK and dV leave from registers (the accumulators' (d, key) pairs: 2-byte stores in the inputs'
 type with MHA, fp32 per q head otherwise, which the host sums per kv head); no atomic GQA sums and
-no rotated deterministic walk. Everything else (arguments, layouts, host side) is `sm90_bwd_ws`'s.
+no rotated deterministic walk. Everything else (arguments, layouts, host side) is `sm90_bwd_ws`'s,
+with v, dO and dV of head dim head_dim_v.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -49,22 +56,49 @@ from .sm90_bwd_ws import (
 )
 from .sm90_common import LOG2_E, acc_mn_layout, convert, gemm, smem_layout
 
-HEAD_DIM = 256
-TILE_N = 48  # keys per CTA, 24 per consumer warpgroup in S and dP
+
+@dataclass(frozen=True)
+class Shape:
+    """A (head_dim, head_dim_v) kernel's tiling: keys per CTA, dO stages, and how the consumer
+    warpgroups split dK^T and dV^T: "d" (64-row blocks of d alternating) or "keys" (half each)."""
+
+    tile_n: int
+    do_stages: int
+    dkv_split: str
+
+
+# FA4's sm90 configurations at these head dims (flash_attn/cute/interface.py, 4.0.0b36).
+SHAPES = {(256, 256): Shape(48, 1, "d"), (192, 128): Shape(96, 2, "keys")}
+
+
+# The 16-bit K-major swizzle atoms by their width in columns.
+_ATOMS = {
+    64: warpgroup.SmemLayoutAtomKind.K_SW128,
+    32: warpgroup.SmemLayoutAtomKind.K_SW64,
+    16: warpgroup.SmemLayoutAtomKind.K_SW32,
+    8: warpgroup.SmemLayoutAtomKind.K_INTER,
+}
+
+
+def row_major_layout(dtype, rows: int, cols: int, width: int):
+    """A (rows, cols) row-major 16-bit buffer of `width`-column swizzle atoms (8: unswizzled)."""
+    atom = warpgroup.make_smem_layout_atom(_ATOMS[width], dtype)
+    return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
 
 
 class BwdWideSm90(BwdWsSm90):
-    """Compile-time configuration of the d256 backward kernel; `__call__` takes
-    `sm90_bwd.BwdSm90.__call__`'s arguments (head dim 256 for q, k, v)."""
+    """Compile-time configuration of the backward kernel for the head dims of `SHAPES`; `__call__`
+    takes `sm90_bwd.BwdSm90.__call__`'s arguments (q, k, dQacc, dK of head_dim; v, dO, dV of
+    head_dim_v)."""
 
-    tile_n = TILE_N
     q_stages = 2
-    do_stages = 1
     p_in_smem = True
 
     def __init__(
         self,
         dtype,
+        head_dim: int,
+        head_dim_v: int,
         causal: bool,
         deterministic: bool = False,
         window_left: bool = False,
@@ -73,9 +107,15 @@ class BwdWideSm90(BwdWsSm90):
         varlen: bool = False,
         dq_unscaled: bool = False,
     ):
+        assert (head_dim, head_dim_v) in SHAPES, f"the wide backward kernel takes {list(SHAPES)}"
         assert not (causal and window_right), "causal is the right limit 0"
+        shape = SHAPES[head_dim, head_dim_v]
+        self.tile_n = shape.tile_n
+        self.do_stages = shape.do_stages
+        self.dkv_by_keys = shape.dkv_split == "keys"
         self.dtype = dtype
-        self.head_dim = HEAD_DIM
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
         self.causal = causal
         self.deterministic = deterministic
         self.dkv_atomic = False
@@ -86,13 +126,13 @@ class BwdWideSm90(BwdWsSm90):
         self.tile_m = TILE_M
         self.dq_unscaled = dq_unscaled
         self.dq_fragments = False
-        # dQ as `sm90_bwd_ws` at tile_m 64: warpgroup w adds columns [128w, 128w + 128) of a block.
+        # dQ as `sm90_bwd_ws` at tile_m 64: warpgroup w adds columns [d/2 w, d/2 (w + 1)) of a block.
         self.dq_by_rows = False
         self.dq_swapped = False
-        self.dq_tile = (TILE_M, HEAD_DIM // 2)
+        self.dq_tile = (TILE_M, head_dim // 2)
         self.dq_mma_tile = self.dq_tile
         self.rows_stride = TILE_M
-        self.mask = Mask(TILE_M, TILE_N, causal, window_left, window_right)
+        self.mask = Mask(TILE_M, self.tile_n, causal, window_left, window_right)
         self.descending = causal or window_right
         self.rotate = False
         self.dkv_tma = False
@@ -106,16 +146,17 @@ class BwdWideSm90(BwdWsSm90):
                 self.dtype, self.dtype, a_major, b_major, Float32, atom_layout_mnk=atoms, tiler_mn=tile
             )
 
+        tile_n = self.tile_n
         return (
-            # S = Q K^T, dP = dO V^T: M = 64 queries, N = 48 keys as two halves (a warpgroup
-            # each), K = d; both K-major.
-            mma(K, K, (1, 2, 1), (TILE_M, TILE_N // 2)),
-            # dV^T += dO^T P, dK^T += Q^T dS: M = d (64-row blocks alternating between the
-            # warpgroups), N = 48 keys, K = 64 queries; A = dO^T or Q^T, B = P^T or dS^T: views of
-            # row-major buffers, MN-major.
-            mma(MN, MN, (2, 1, 1), (64, TILE_N)),
-            # dQ = dS K: M = 64 queries, N = d as two halves, K = 48 keys; A = dS K-major, B = K^T
-            # MN-major.
+            # S = Q K^T, dP = dO V^T: M = 64 queries, N = tile_n keys as two halves (a warpgroup
+            # each), K = d or dv; both K-major.
+            mma(K, K, (1, 2, 1), (TILE_M, tile_n // 2)),
+            # dV^T += dO^T P, dK^T += Q^T dS: M = dv or d, N = tile_n keys, K = 64 queries; A =
+            # dO^T or Q^T, B = P^T or dS^T: views of row-major buffers, MN-major. The warpgroups
+            # take half the keys each, or 64-row blocks of d in turn.
+            mma(MN, MN, *(((1, 2, 1), (64, tile_n // 2)) if self.dkv_by_keys else ((2, 1, 1), (64, tile_n)))),
+            # dQ = dS K: M = 64 queries, N = d as two halves, K = tile_n keys; A = dS K-major,
+            # B = K^T MN-major.
             mma(K, MN, (1, 2, 1), self.dq_tile),
         )
 
@@ -142,7 +183,7 @@ class BwdWideSm90(BwdWsSm90):
         max_seqlen_k: Int32,
         stream: cuda.CUstream,
     ):
-        d = self.head_dim
+        d, dv, tile_n = self.head_dim, self.head_dim_v, self.tile_n
         # Sequence first, as TMA and WGMMA take them: (s, d, h, b); LSE log2 e and D (s_pad, h, b).
         mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -151,22 +192,27 @@ class BwdWideSm90(BwdWsSm90):
         mLSE, mD = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mD)]
 
         tiled_mma_s, tiled_mma_kv, tiled_mma_dq = self._tiled_mmas()
-        kv_layout = smem_layout(self.dtype, TILE_N, d)
+        # K's swizzle atom no wider than half of d: dQ's B operand, K^T, splits d between the
+        # warpgroups, and an MN-major operand cannot start inside an atom (d192: 32 columns).
+        kv_layout = row_major_layout(
+            self.dtype, tile_n, d, max(w for w in (8, 16, 32, 64) if (d // 2) % w == 0)
+        )
+        v_layout = smem_layout(self.dtype, tile_n, dv)
         q_layout = smem_layout(self.dtype, TILE_M, d, self.q_stages)
-        do_layout = smem_layout(self.dtype, TILE_M, d, self.do_stages)
-        # P and dS: queries x keys, one buffer each, unswizzled 8 x 8 atoms: a warpgroup's 24
-        # columns are whole atoms (the 16-column SW32 atom splits them, and no copy partitions that).
-        ps_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, self.dtype)
-        ps_layout = cute.tile_to_shape(ps_atom, (TILE_M, TILE_N), order=(0, 1))
+        do_layout = smem_layout(self.dtype, TILE_M, dv, self.do_stages)
+        # P and dS: queries x keys, one buffer each, unswizzled 8 x 8 atoms: a warpgroup's 24 (or
+        # 48) columns are whole atoms (a 16- or 32-column swizzle atom splits them, and no copy
+        # partitions that).
+        ps_layout = row_major_layout(self.dtype, TILE_M, tile_n, 8)
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
             tma_op, mQ, cute.select(q_layout, mode=[0, 1]), (TILE_M, d)
         )
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
-            tma_op, mdO, cute.select(do_layout, mode=[0, 1]), (TILE_M, d)
+            tma_op, mdO, cute.select(do_layout, mode=[0, 1]), (TILE_M, dv)
         )
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, kv_layout, (TILE_N, d))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, kv_layout, (TILE_N, d))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, kv_layout, (tile_n, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, v_layout, (tile_n, dv))
         row_layout = cute.make_layout(TILE_M)
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_op, mLSE, row_layout, (TILE_M,))
         tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(tma_op, mD, row_layout, (TILE_M,))
@@ -183,7 +229,7 @@ class BwdWideSm90(BwdWsSm90):
             "mbar_Q": cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages],  # full + empty per stage
             "mbar_dO": cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages],
             "sK": buffer(self.dtype, cute.cosize(kv_layout)),
-            "sV": buffer(self.dtype, cute.cosize(kv_layout)),
+            "sV": buffer(self.dtype, cute.cosize(v_layout)),
             "sQ": buffer(self.dtype, cute.cosize(q_layout)),
             "sdO": buffer(self.dtype, cute.cosize(do_layout)),
             "sP": buffer(self.dtype, cute.cosize(ps_layout)),
@@ -194,16 +240,16 @@ class BwdWideSm90(BwdWsSm90):
         }
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
-        grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE_N), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), tile_n), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         if const_expr(self.varlen):
-            grid = ((max_seqlen_k + TILE_N - 1) // TILE_N, cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
+            grid = ((max_seqlen_k + tile_n - 1) // tile_n, cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, None, mdK, None, mdV,
             mSem, softmax_scale,
             qhead_per_kvhead, window_size_left, window_size_right, softcap, mCuSeqlensQ, mCuSeqlensK,
-            kv_layout, q_layout, do_layout, ps_layout, dq_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq,
-            SharedStorage,
+            kv_layout, v_layout, q_layout, do_layout, ps_layout, dq_layout, tiled_mma_s, tiled_mma_kv,
+            tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
 
     # ---------------------------------------------------------------- consumers
@@ -214,7 +260,7 @@ class BwdWideSm90(BwdWsSm90):
         mask, seqlen, n_block, head, head_kv, batch, m_min, m_max, walk,
     ):  # fmt: skip
         """Both consumer warpgroups (tidx 0..255): the query blocks [m_min, m_max), then dK, dV."""
-        d = self.head_dim
+        d, dv, tile_n = self.head_dim, self.head_dim_v, self.tile_n
         sP, sdS = sPdS
         pipe_q, pipe_do = pipes
         scale_log2 = softmax_scale * LOG2_E
@@ -223,15 +269,15 @@ class BwdWideSm90(BwdWsSm90):
             scale_log2 = softcap * LOG2_E
             softcap_scale = softmax_scale / softcap
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        n0 = n_block * TILE_N
+        n0 = n_block * tile_n
 
-        # Transposed views: Q^T, dO^T (d, 64 queries, stages); P^T, dS^T (48 keys, 64 queries);
-        # K^T (d, 48 keys).
+        # Transposed views: Q^T (d, 64 queries, stages), dO^T (dv, ...); P^T, dS^T (tile_n keys,
+        # 64 queries); K^T (d, tile_n keys).
         sQt = cute.composition(sQ, cute.make_ordered_layout((d, TILE_M, self.q_stages), order=(1, 0, 2)))
-        sdOt = cute.composition(sdO, cute.make_ordered_layout((d, TILE_M, self.do_stages), order=(1, 0, 2)))
-        keys_q = cute.make_ordered_layout((TILE_N, TILE_M), order=(1, 0))
+        sdOt = cute.composition(sdO, cute.make_ordered_layout((dv, TILE_M, self.do_stages), order=(1, 0, 2)))
+        keys_q = cute.make_ordered_layout((tile_n, TILE_M), order=(1, 0))
         sPt, sdSt = cute.composition(sP, keys_q), cute.composition(sdS, keys_q)
-        sKt = cute.composition(sK, cute.make_ordered_layout((d, TILE_N), order=(1, 0)))
+        sKt = cute.composition(sK, cute.make_ordered_layout((d, tile_n), order=(1, 0)))
 
         wg_s, wg_kv, wg_dq = (m.get_slice(wg * WARPGROUP) for m in (tiled_mma_s, tiled_mma_kv, tiled_mma_dq))
         thr_s, thr_kv, thr_dq = (m.get_slice(tidx) for m in (tiled_mma_s, tiled_mma_kv, tiled_mma_dq))
@@ -246,13 +292,13 @@ class BwdWideSm90(BwdWsSm90):
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
 
-        acc_shape_S = thr_s.partition_shape_C((TILE_M, TILE_N))
-        acc_dV = thr_kv.make_fragment_C(thr_kv.partition_shape_C((d, TILE_N)))
-        acc_dK = thr_kv.make_fragment_C(thr_kv.partition_shape_C((d, TILE_N)))
+        acc_shape_S = thr_s.partition_shape_C((TILE_M, tile_n))
+        acc_dV = thr_kv.make_fragment_C(thr_kv.partition_shape_C((dv, tile_n)))
+        acc_dK = thr_kv.make_fragment_C(thr_kv.partition_shape_C((d, tile_n)))
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         # This thread's (query, key) coordinates in an S tile, as rows and columns.
-        cS = thr_s.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        cS = thr_s.partition_C(cute.make_identity_tensor((TILE_M, tile_n)))
         tScS = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
         # A thread's column pairs, one 4-byte store each (stmatrix does not partition 24-column halves).
         store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
@@ -387,20 +433,21 @@ class BwdWideSm90(BwdWsSm90):
 
     @cute.jit
     def store_dkdv_t(self, acc_dKt, acc_dVt, thr_kv, mdK, mdV, scale, n0, head, batch, seqlen):
-        """dK * scale and dV of this CTA's keys from the transposed accumulators dK^T, dV^T (d, keys),
-        keys inside the sequence: in mdK's type (the inputs' with MHA, fp32 per q head otherwise)
-        at q head `head`."""
-        c = thr_kv.partition_C(cute.make_identity_tensor((self.head_dim, TILE_N)))
-        gdK = seqlen.rows(mdK, head, batch, seqlen.offset_k)
-        gdV = seqlen.rows(mdV, head, batch, seqlen.offset_k)
+        """dK * scale and dV of this CTA's keys from the transposed accumulators dK^T (d, keys) and
+        dV^T (dv, keys), keys inside the sequence: in mdK's type (the inputs' with MHA, fp32 per q
+        head otherwise) at q head `head`."""
         seqlen_k = seqlen.seqlen_k
         if const_expr(self.varlen):
             # Offsets the host could not check (graph capture) are cut at the packed tensor's ends.
             seqlen_k = cutlass.min(seqlen_k, mdK.shape[0] - seqlen.offset_k)
             if seqlen.offset_k < 0:
                 seqlen_k = Int32(0)
-        for i in cutlass.range_constexpr(cute.size(acc_dKt)):
-            col, key = c[i][0], n0 + c[i][1]
-            if key < seqlen_k:
-                gdK[key, col] = (acc_dKt[i] * scale).to(mdK.element_type)
-                gdV[key, col] = acc_dVt[i].to(mdV.element_type)
+        parts = ((acc_dKt, mdK, self.head_dim, scale), (acc_dVt, mdV, self.head_dim_v, None))
+        for acc, mX, dim, factor in parts:
+            c = thr_kv.partition_C(cute.make_identity_tensor((dim, self.tile_n)))
+            gX = seqlen.rows(mX, head, batch, seqlen.offset_k)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                col, key = c[i][0], n0 + c[i][1]
+                if key < seqlen_k:
+                    value = acc[i] if const_expr(factor is None) else acc[i] * factor
+                    gX[key, col] = value.to(mX.element_type)

@@ -164,6 +164,7 @@ class BwdWsSm90(BwdSm90):
         assert not rotate or (deterministic and not (causal or window_left or window_right)), "rotate"
         self.dtype = dtype
         self.head_dim = head_dim
+        self.head_dim_v = head_dim  # (v's, dO's: `sm90_bwd_wide` has its own)
         self.causal = causal
         self.deterministic = deterministic
         self.dkv_atomic = dkv_atomic
@@ -315,8 +316,8 @@ class BwdWsSm90(BwdSm90):
             tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, tma_atom_dK, mdK, tma_atom_dV, mdV,
             mSem, softmax_scale,
             qhead_per_kvhead, window_size_left, window_size_right, softcap, mCuSeqlensQ, mCuSeqlensK,
-            kv_layout, q_layout, q_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv, tiled_mma_dq,
-            SharedStorage,
+            kv_layout, kv_layout, q_layout, q_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv,
+            tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
 
     # ---------------------------------------------------------------- device side
@@ -350,6 +351,7 @@ class BwdWsSm90(BwdSm90):
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
         kv_layout: cute.ComposedLayout,
+        v_layout: cute.ComposedLayout,
         q_layout: cute.ComposedLayout,
         do_layout: cute.ComposedLayout,
         ds_layout: cute.ComposedLayout,
@@ -411,7 +413,7 @@ class BwdWsSm90(BwdSm90):
         cute.arch.sync_threads()
 
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-        sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sdO = storage.sdO.get_tensor(do_layout.outer, swizzle=do_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
@@ -454,11 +456,12 @@ class BwdWsSm90(BwdSm90):
         (with D) of every query block it walks, each into the next free stage of its pipeline."""
         d = self.head_dim
         pipe_q, pipe_do = pipes
-        gK = cute.local_tile(seqlen.rows(mK, head_kv, batch, seqlen.offset_k), (self.tile_n, d), (n_block, 0))
-        gV = cute.local_tile(seqlen.rows(mV, head_kv, batch, seqlen.offset_k), (self.tile_n, d), (n_block, 0))
+        dv, tile_n = self.head_dim_v, self.tile_n
+        gK = cute.local_tile(seqlen.rows(mK, head_kv, batch, seqlen.offset_k), (tile_n, d), (n_block, 0))
+        gV = cute.local_tile(seqlen.rows(mV, head_kv, batch, seqlen.offset_k), (tile_n, dv), (n_block, 0))
         tile_m = self.tile_m
         gQ = cute.local_tile(seqlen.rows(mQ, head, batch, seqlen.offset_q), (tile_m, d), (None, 0))
-        gdO = cute.local_tile(seqlen.rows(mdO, head, batch, seqlen.offset_q), (tile_m, d), (None, 0))
+        gdO = cute.local_tile(seqlen.rows(mdO, head, batch, seqlen.offset_q), (tile_m, dv), (None, 0))
         gLSE = cute.local_tile(self.padded_rows(mLSE, head, batch, seqlen), (tile_m,), (None,))
         gD = cute.local_tile(self.padded_rows(mD, head, batch, seqlen), (tile_m,), (None,))
 
@@ -477,9 +480,9 @@ class BwdWsSm90(BwdSm90):
 
         tLsLSE, tLgLSE = partition_rows(tma_atom_LSE, sLSE, gLSE)
         tDsD, tDgD = partition_rows(tma_atom_D, sD, gD)
-        kv_bytes = cute.size_in_bytes(self.dtype, sK.layout)
+        kv_bytes = cute.size_in_bytes(self.dtype, sK.layout) + cute.size_in_bytes(self.dtype, sV.layout)
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_KV, 2 * kv_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_KV, kv_bytes)
         cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=mbar_KV)
         cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=mbar_KV)
 
