@@ -55,14 +55,16 @@ def test_training_problems_take_varlen_and_features():
         assert d["passes"] == p.passes and Problem.from_dict(d) == p
     # Packed rows: q, out, dout, dq (112 rows x 4 heads) and k, v, dk, dv (112 x 2), 2 bytes each.
     assert VARLEN.input_bytes == 2 * 2 * (112 * 4 + 112 * 2) * 128
-    # Still refused: a backward of a decode step, features on packed sequences, and v's own
-    # head dim in a backward (no backward cell uses it).
+    # Still refused: a backward of a decode step, features or v's own head dim on packed sequences.
     with pytest.raises(ValueError, match="dense and varlen problems"):
         dataclasses.replace(Problem.decode(2, 64, 4, 2, 64), passes=BWD)
     with pytest.raises(ValueError, match="dense problems only, forward or training"):
         dataclasses.replace(VARLEN, softcap=30.0)
-    with pytest.raises(ValueError, match="head_dim_v on dense forward problems only"):
-        dataclasses.replace(DENSE, head_dim=128, head_dim_v=64)
+    with pytest.raises(ValueError, match="head_dim_v are timed on dense problems only"):
+        dataclasses.replace(VARLEN, head_dim=128, head_dim_v=64)
+    # v's own head dim in a backward (DeepSeek's shape): dout and dv at v's head dim.
+    deepseek = dataclasses.replace(DENSE, head_dim=192, head_dim_v=128)
+    assert deepseek.dv == 128 and deepseek.flops == 2.5 * dataclasses.replace(deepseek, passes=FWD).flops
 
 
 def test_training_flops_by_hand():
@@ -123,6 +125,10 @@ def test_backward_features_preset():
         "B4 N4096 H32 d64 bf16 causal fwd+bwd",
         "B4 N4096 H32 d64 bf16 causal bwd sink",
         "B4 N4096 H32 d64 bf16 causal fwd+bwd sink",
+        "B4 N4096 H16 d192 dv128 bf16 bwd",
+        "B4 N4096 H16 d192 dv128 bf16 fwd+bwd",
+        "B4 N4096 H16 d192 dv128 bf16 causal bwd",
+        "B4 N4096 H16 d192 dv128 bf16 causal fwd+bwd",
     ]
     varlen = preset.problems[0]
     assert varlen.seqlens == presets.varlen_lengths() and varlen.heads // varlen.kv_heads == 4
@@ -368,7 +374,8 @@ def test_whole_backward_features_run_on_cpu(tmp_path, monkeypatch):
         Backend("sdpa-cudnn", "cuDNN", build, layout="bhsd", context=context)
     ]
     problems = tuple(_cpu_size(p) for p in presets.backward_features().problems)
-    assert len(set(problems)) == len(problems) == 20
+    assert len(set(problems)) == len(problems) == 24
+    assert problems[-1].head_dim_v == 128 and problems[-1].causal and problems[-1].passes == FWD_BWD
     assert problems[6].window_size == (10, 0) and problems[6].flops < problems[4].flops
     results, recs, json_path = execute_on_cpu(tmp_path, "backward-features", problems, backends)
     # Ours ran through autograd on every problem: varlen calls with cu_seqlens, dense ones with

@@ -139,13 +139,15 @@ def test_feature_problems_reject_bad_values(kwargs, match):
         Problem(1, 64, 64, 2, 2, 64, **kwargs)
 
 
-def test_features_are_dense_forward_only():
-    with pytest.raises(ValueError, match="dense forward problems only"):
+def test_features_are_dense_only():
+    with pytest.raises(ValueError, match="dense problems only"):
         Problem(2, 5, 5, 2, 2, 64, seqlens=(3, 5), softcap=30.0)
-    with pytest.raises(ValueError, match="dense forward problems only"):
+    with pytest.raises(ValueError, match="dense problems only"):
         dataclasses.replace(Problem.decode(2, 64, 4, 2, 64), window_size=(8, 0))
-    with pytest.raises(ValueError, match="dense forward problems only"):
-        Problem(1, 64, 64, 2, 2, 128, passes="bwd", head_dim_v=64)
+    with pytest.raises(ValueError, match="dense problems only"):
+        Problem(2, 5, 5, 2, 2, 64, seqlens=(3, 5), head_dim_v=32)
+    # Training with v's own head dim (the backward-features preset's DeepSeek cells).
+    assert Problem(1, 64, 64, 2, 2, 128, passes="bwd", head_dim_v=64).dv == 64
 
 
 # ---- the preset ----

@@ -67,10 +67,13 @@ backward-features: the backward's newer problems, bf16, each as "bwd" then "fwd+
        backward's time and the fp32 reference's memory); (c) softcap: B=4 N=4096 d128 H16, causal
        off and on, each without then with softcap 30; (d) learnable sink: B=4 N=4096 d64 H32
        causal, without then with a sink (`registry.sink_logits`, requiring grad: the backends
-       compute its gradient; the check covers dq, dk, dv, not the sink's). Backends: ours
+       compute its gradient; the check covers dq, dk, dv, not the sink's); (e) head dims: B=4
+       N=4096 H16, d192 with v's head dim 128 (DeepSeek's shape; FLOPs 2·B·H·N²·(d + dv) for the
+       forward), causal off and on (ours: the wide kernel, `backward.WIDE_BACKWARD`, skipped with
+       NotImplementedError while that is off). Backends: ours
        (`hopper-fmha:auto`: flash_attn_func, or flash_attn_varlen_func on the packed batch), ours
        deterministic (`hopper-fmha:auto+det`) and FA4 (the same keywords and calls as in the
-       features and varlen presets). 20 problems. The report's features table gives ours ÷ FA4
+       features and varlen presets). 24 problems. The report's features table gives ours ÷ FA4
        and ÷ ours on the twin for each pass, the varlen table ours ÷ FA4.
 """
 
@@ -270,6 +273,7 @@ def backward_features() -> Preset:
         dense += [plain, dataclasses.replace(plain, softcap=FEATURE_SOFTCAP)]
     plain = _problem(4, 4096, 64, True, bf16)
     dense += [plain, dataclasses.replace(plain, sink=True)]
+    dense += [Problem(4, 4096, 4096, 16, 16, 192, c, bf16, head_dim_v=128) for c in (False, True)]
     problems = [dataclasses.replace(p, passes=x) for p in varlens + dense for x in TRAINING_PASSES]
     return Preset("backward-features", tuple(problems), BACKWARD_FEATURE_BACKENDS)
 

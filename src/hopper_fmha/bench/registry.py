@@ -172,8 +172,8 @@ class Problem:
 
     def _check_features(self) -> None:
         """window_size a pair of ints >= -1 (a JSON list back to a tuple), softcap a finite float
-        >= 0, head_dim_v positive (equal to head_dim: None); the features on dense problems only,
-        head_dim_v on dense forward problems only."""
+        >= 0, head_dim_v positive (equal to head_dim: None); the features and head_dim_v on dense
+        problems only."""
         try:
             window = tuple(int(side) for side in self.window_size)
         except (TypeError, ValueError):
@@ -194,10 +194,10 @@ class Problem:
             if self.head_dim_v == self.head_dim:  # one problem, one label
                 object.__setattr__(self, "head_dim_v", None)
         dense = not self.kvcache and self.seqlens is None
-        if ((self.has_features or self.head_dim_v) and not dense) or (self.head_dim_v and self.training):
+        if (self.has_features or self.head_dim_v) and not dense:
             raise ValueError(
-                "score features (window_size, softcap, sink) are timed on dense problems only, forward or "
-                "training; head_dim_v on dense forward problems only (no backward cell uses it)"
+                "score features (window_size, softcap, sink) and head_dim_v are timed on dense problems "
+                "only, forward or training"
             )
 
     def _check_cache(self) -> None:

@@ -198,8 +198,8 @@ def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
     kv_heads, d) with the int32 (batch, capacity / page_size) `page_table(p, seed)` (None when
     dense), cache_seqlens int32 (batch,) (`Problem.cache_lengths`); one table and one
     cache_seqlens for all sets; or for a training problem the same with dout last, (q, k, v,
-    dout) or packed (q, k, v, cu_seqlens, dout), dout random like q (the output's gradient),
-    drawn after k and v. v's last dim is `Problem.dv` (a sink is no input:
+    dout) or packed (q, k, v, cu_seqlens, dout), dout random like the output (the output's
+    gradient, v's head dim), drawn after k and v. v's last dim is `Problem.dv` (a sink is no input:
     `registry.sink_logits`)."""
     import torch
 
@@ -228,7 +228,7 @@ def make_inputs(p: Problem, n_sets: int, device: str, seed: int) -> list[tuple]:
         )
         dout = ()
         if p.training:
-            dout = (torch.randn(*q_rows, p.heads, p.head_dim, dtype=dtype, device=device, generator=g),)
+            dout = (torch.randn(*q_rows, p.heads, p.dv, dtype=dtype, device=device, generator=g),)
         sets.append((q, k, v, *extra, *dout))
     return sets
 
