@@ -6,7 +6,7 @@
 # Logs go under $OUT (default /tmp/pending). Part 1: the GPU tests of everything below (one tier
 # run), then the d256 kernel timed. Part 2: the A/B measurements.
 #   backward.WIDE_BACKWARD      head dims past 128 on the wide kernel (sm90_bwd_wide; session 26), at
-#                               (256, 256) and (192, 128): tests -k wide (608), bwd_profile --wide
+#                               (256, 256) and (192, 128): tests -k wide (644), bwd_profile --wide
 #   sm90_bwd.DQ_SCALE_AT_CAST   dQacc unscaled, the scale applied as the host casts (bwd_profile --dq-at-cast)
 #   sm90_bwd.DQ_FRAGMENTS       dQ in fragment order, STS.128 + 1-D bulk reduce-add, every dense tile
 #                               (bwd_profile --dq-fragments), alone and with the above

@@ -489,7 +489,7 @@ VARLEN_CASES = {
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
-def test_varlen_backward(hopper_gpu, dtype, deterministic, d, case, heads):
+def test_varlen_backward(hopper_gpu, dtype, deterministic, d, case, heads, dv: int | None = None):
     # Eight sequences, empty ones on either side, lengths around the 64-row query block and the
     # 128-key block: each sequence's gradients as the dense attention's on its rows (float64
     # reference, the same rule as above), the sink's summed over sequences. A query block's rows
@@ -508,8 +508,8 @@ def test_varlen_backward(hopper_gpu, dtype, deterministic, d, case, heads):
     )
     q = torch.randn(int(cu_q[-1]), h, d, device="cuda", generator=g).to(dtype).requires_grad_()
     k, v = (
-        torch.randn(int(cu_k[-1]), hkv, d, device="cuda", generator=g).to(dtype).requires_grad_()
-        for _ in "kv"
+        torch.randn(int(cu_k[-1]), hkv, n, device="cuda", generator=g).to(dtype).requires_grad_()
+        for n in (d, dv or d)
     )
     sink = torch.randn(h, device="cuda", generator=g).requires_grad_() if features.get("sink") else None
     window, softcap = features.get("window", (-1, -1)), features.get("softcap", 0.0)
@@ -640,8 +640,9 @@ def test_preprocess_kernel_matches_torch(hopper_gpu, dtype, dv, with_dlse):
     assert torch.equal(lse2[..., 333:], torch.full_like(lse2[..., 333:], math.inf))
 
 
-# ---- head dims past 128: the d256 kernel (`kernels/sm90_bwd_wide.py`, session 26; off until these
-# pass on a GPU: `backward.WIDE_BACKWARD`, which the fixture turns on), the others padded to it ----
+# ---- head dims past 128: the wide kernel (`kernels/sm90_bwd_wide.py`, session 26, (256, 256) and
+# (192, 128); off until these pass on a GPU: `backward.WIDE_BACKWARD`, which the fixture turns on),
+# the others padded to the next of those ----
 
 
 @pytest.fixture
@@ -728,9 +729,10 @@ def test_wide_padded_head_dims(hopper_gpu, wide, dtype, causal, dims, seqlens):
 
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-dv128"])
 @pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
-def test_wide_varlen_backward(hopper_gpu, wide, dtype, deterministic, case, heads):
-    test_varlen_backward(hopper_gpu, dtype, deterministic, 256, case, heads)
+def test_wide_varlen_backward(hopper_gpu, wide, dtype, deterministic, dims, case, heads):
+    test_varlen_backward(hopper_gpu, dtype, deterministic, dims[0], case, heads, dims[1])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -751,8 +751,9 @@ def backward(
 ):
     """(dq, dk, dv) of `flash_attn_func`'s forward (q, k, v, out, lse as it returned them, lse
     exact), for the upstream gradients dout and, where the caller used the LSE, dlse (b, h, s_q);
-    d = 64 or 128 (256 with `backward.WIDE_BACKWARD`: `sm90_bwd_wide`, version 2), others on
-    zero-padded copies, fp16/bf16, BSHD, GQA/MQA.
+    d = 64 or 128, with `backward.WIDE_BACKWARD` also (192, 128) and (256, 256) for (d, dv)
+    (`sm90_bwd_wide`, version 2), others on zero-padded copies of the next pair; fp16/bf16, BSHD,
+    GQA/MQA.
 
     Score features as the forward ran them (version 2 only): window_size (left, right), -1 for a
     side without limit (with causal the right side is the causal mask's); softcap the cap (0:
