@@ -23,7 +23,7 @@ head dims), and a CTA owns tile_n keys (`SHAPES`: 48 at d256, 96 at 192/128):
 
 Shared memory: d256 K, V 24 KB each, Q two stages (64 KB), dO one (32 KB), sP and sdS one buffer
 each (6 KB each), the dQ staging 64 KB: 222 KB of 227; 192/128 K 36, V 24, Q 48, dO two stages 32,
-sP, sdS 12 each, dQ 48: 214 KB (K's swizzle atoms 32 columns wide there, `__call__`). With one
+sP, sdS 12 each, dQ 48: 214 KB (K's swizzle atoms 32 columns wide there, `smem_layouts`). With one
 sP/sdS buffer, a warpgroup writes block m + 1's P and dS only after both warpgroups' GEMMs of block
 m have read them (`BARRIER_PDS_FREE`).
 
@@ -37,19 +37,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from .mask import Mask
 from .sm90_bwd_ws import (
     BARRIER_DS,
     BARRIER_PDS_FREE,
     NUM_MMA_THREADS,
-    NUM_THREADS,
     TILE_M,
     WARPGROUP,
     BwdWsSm90,
@@ -160,97 +158,20 @@ class BwdWideSm90(BwdWsSm90):
             mma(K, MN, (1, 2, 1), self.dq_tile),
         )
 
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mD: cute.Tensor,
-        mdQacc: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mSem: cute.Tensor | None,
-        softmax_scale: Float32,
-        qhead_per_kvhead: Int32,
-        window_size_left: Int32,
-        window_size_right: Int32,
-        softcap: Float32,
-        mCuSeqlensQ: cute.Tensor | None,
-        mCuSeqlensK: cute.Tensor | None,
-        max_seqlen_k: Int32,
-        stream: cuda.CUstream,
-    ):
+    def smem_layouts(self):
+        """`BwdWsSm90.smem_layouts` for this kernel: K in swizzle atoms no wider than half of d (dQ's
+        B operand, K^T, splits d between the warpgroups, and an MN-major operand cannot start
+        inside an atom: d192 takes 32 columns); Q two stages, dO `do_stages`; P and dS (queries x
+        keys, one buffer each) in unswizzled 8 x 8 atoms (a warpgroup's 24 or 48 columns are whole
+        atoms; a 16- or 32-column swizzle atom splits them, and no copy partitions that)."""
         d, dv, tile_n = self.head_dim, self.head_dim_v, self.tile_n
-        # Sequence first, as TMA and WGMMA take them: (s, d, h, b); LSE log2 e and D (s_pad, h, b).
-        mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-            for t in (mQ, mK, mV, mdO, mdQacc, mdK, mdV)
-        ]
-        mLSE, mD = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mD)]
-
-        tiled_mma_s, tiled_mma_kv, tiled_mma_dq = self._tiled_mmas()
-        # K's swizzle atom no wider than half of d: dQ's B operand, K^T, splits d between the
-        # warpgroups, and an MN-major operand cannot start inside an atom (d192: 32 columns).
-        kv_layout = row_major_layout(
-            self.dtype, tile_n, d, max(w for w in (8, 16, 32, 64) if (d // 2) % w == 0)
-        )
-        v_layout = smem_layout(self.dtype, tile_n, dv)
-        q_layout = smem_layout(self.dtype, TILE_M, d, self.q_stages)
-        do_layout = smem_layout(self.dtype, TILE_M, dv, self.do_stages)
-        # P and dS: queries x keys, one buffer each, unswizzled 8 x 8 atoms: a warpgroup's 24 (or
-        # 48) columns are whole atoms (a 16- or 32-column swizzle atom splits them, and no copy
-        # partitions that).
-        ps_layout = row_major_layout(self.dtype, TILE_M, tile_n, 8)
-        tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            tma_op, mQ, cute.select(q_layout, mode=[0, 1]), (TILE_M, d)
-        )
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
-            tma_op, mdO, cute.select(do_layout, mode=[0, 1]), (TILE_M, dv)
-        )
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, kv_layout, (tile_n, d))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, v_layout, (tile_n, dv))
-        row_layout = cute.make_layout(TILE_M)
-        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_op, mLSE, row_layout, (TILE_M,))
-        tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(tma_op, mD, row_layout, (TILE_M,))
-        dq_layout = smem_layout(Float32, *self.dq_tile, 2)
-        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]), self.dq_tile
-        )
-
-        def buffer(dtype, size, align=1024):
-            return cute.struct.Align[cute.struct.MemRange[dtype, size], align]
-
-        fields = {
-            "mbar_KV": cute.struct.MemRange[cutlass.Int64, 1],
-            "mbar_Q": cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages],  # full + empty per stage
-            "mbar_dO": cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages],
-            "sK": buffer(self.dtype, cute.cosize(kv_layout)),
-            "sV": buffer(self.dtype, cute.cosize(v_layout)),
-            "sQ": buffer(self.dtype, cute.cosize(q_layout)),
-            "sdO": buffer(self.dtype, cute.cosize(do_layout)),
-            "sP": buffer(self.dtype, cute.cosize(ps_layout)),
-            "sdS": buffer(self.dtype, cute.cosize(ps_layout)),
-            "sdQ": buffer(Float32, cute.cosize(dq_layout)),
-            "sLSE": buffer(Float32, self.rows_stride * (self.q_stages - 1) + TILE_M, 128),
-            "sD": buffer(Float32, self.rows_stride * (self.do_stages - 1) + TILE_M, 128),
-        }
-        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-
-        grid = (cute.ceil_div(cute.size(mK.shape[0]), tile_n), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
-        if const_expr(self.varlen):
-            grid = ((max_seqlen_k + tile_n - 1) // tile_n, cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
-        self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, None, mdK, None, mdV,
-            mSem, softmax_scale,
-            qhead_per_kvhead, window_size_left, window_size_right, softcap, mCuSeqlensQ, mCuSeqlensK,
-            kv_layout, v_layout, q_layout, do_layout, ps_layout, dq_layout, tiled_mma_s, tiled_mma_kv,
-            tiled_mma_dq, SharedStorage,
-        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
+        kv = row_major_layout(self.dtype, tile_n, d, max(w for w in (8, 16, 32, 64) if (d // 2) % w == 0))
+        v = smem_layout(self.dtype, tile_n, dv)
+        q = smem_layout(self.dtype, TILE_M, d, self.q_stages)
+        do = smem_layout(self.dtype, TILE_M, dv, self.do_stages)
+        ps = row_major_layout(self.dtype, TILE_M, tile_n, 8)
+        dq = smem_layout(Float32, *self.dq_tile, 2)
+        return kv, v, q, do, ps, dq
 
     # ---------------------------------------------------------------- consumers
     @cute.jit

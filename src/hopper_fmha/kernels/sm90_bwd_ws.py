@@ -244,7 +244,7 @@ class BwdWsSm90(BwdSm90):
         max_seqlen_k: Int32,
         stream: cuda.CUstream,
     ):
-        d = self.head_dim
+        d, dv, tile_m, tile_n = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
         # Sequence first, as TMA and WGMMA take them: (s, d, h, b); LSE log2 e and D (s_pad, h, b).
         mQ, mK, mV, mdO, mdQacc, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -253,23 +253,22 @@ class BwdWsSm90(BwdSm90):
         mLSE, mD = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSE, mD)]
 
         tiled_mma_s, tiled_mma_kv, tiled_mma_dq = self._tiled_mmas()
-        kv_layout = smem_layout(self.dtype, TILE_N, d)
-        tile_m = self.tile_m
-        q_layout = smem_layout(self.dtype, tile_m, d, STAGES)
-        ds_layout = smem_layout(self.dtype, TILE_N, tile_m, 2)  # dS^T: keys x queries, two buffers
+        kv_layout, v_layout, q_layout, do_layout, ds_layout, dq_layout = self.smem_layouts()
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
-        q_stage = cute.select(q_layout, mode=[0, 1])
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_op, mQ, q_stage, (tile_m, d))
-        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(tma_op, mdO, q_stage, (tile_m, d))
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, kv_layout, (TILE_N, d))
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, kv_layout, (TILE_N, d))
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            tma_op, mQ, cute.select(q_layout, mode=[0, 1]), (tile_m, d)
+        )
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            tma_op, mdO, cute.select(do_layout, mode=[0, 1]), (tile_m, dv)
+        )
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, kv_layout, (tile_n, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, v_layout, (tile_n, dv))
         # LSE log2 e and D of a query block: tile_m floats, with Q and with dO.
         row_layout = cute.make_layout(tile_m)
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(tma_op, mLSE, row_layout, (tile_m,))
         tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(tma_op, mD, row_layout, (tile_m,))
         # dQ: each warpgroup's fp32 part (`dq_tile`) through shared memory, added into dQacc by a
         # TMA reduce-add (rows past the end clipped by the TMA unit).
-        dq_layout = smem_layout(Float32, *self.dq_tile, 2)
         dq_box = self.dq_tile
         if const_expr(self.dq_fragments):  # a 1-D bulk reduce-add of each warpgroup's fragments
             tma_atom_dQ, tma_dQ = None, mdQacc
@@ -283,42 +282,58 @@ class BwdWsSm90(BwdSm90):
         tma_atom_dK = tma_atom_dV = None
         if const_expr(self.dkv_by_tma(mdK)):
             store_op = cpasync.CopyBulkTensorTileS2GOp()
-            tma_atom_dK, mdK = cpasync.make_tiled_tma_atom(store_op, mdK, kv_layout, (TILE_N, d))
-            tma_atom_dV, mdV = cpasync.make_tiled_tma_atom(store_op, mdV, kv_layout, (TILE_N, d))
+            tma_atom_dK, mdK = cpasync.make_tiled_tma_atom(store_op, mdK, kv_layout, (tile_n, d))
+            tma_atom_dV, mdV = cpasync.make_tiled_tma_atom(store_op, mdV, v_layout, (tile_n, dv))
 
         def buffer(dtype, size, align=1024):
             return cute.struct.Align[cute.struct.MemRange[dtype, size], align]
 
         fields = {
             "mbar_KV": cute.struct.MemRange[cutlass.Int64, 1],
-            "mbar_Q": cute.struct.MemRange[cutlass.Int64, 2 * STAGES],  # full + empty per stage
-            "mbar_dO": cute.struct.MemRange[cutlass.Int64, 2 * STAGES],
+            "mbar_Q": cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages],  # full + empty per stage
+            "mbar_dO": cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages],
             "sK": buffer(self.dtype, cute.cosize(kv_layout)),
-            "sV": buffer(self.dtype, cute.cosize(kv_layout)),
+            "sV": buffer(self.dtype, cute.cosize(v_layout)),
             "sQ": buffer(self.dtype, cute.cosize(q_layout)),
-            "sdO": buffer(self.dtype, cute.cosize(q_layout)),
-            "sdS": buffer(self.dtype, cute.cosize(ds_layout)),
+            "sdO": buffer(self.dtype, cute.cosize(do_layout)),
         }
-        rows_size = self.rows_stride * (STAGES - 1) + tile_m
-        rows = {"sLSE": buffer(Float32, rows_size, 128), "sD": buffer(Float32, rows_size, 128)}
+        if const_expr(self.p_in_smem):
+            fields["sP"] = buffer(self.dtype, cute.cosize(ds_layout))
+        fields["sdS"] = buffer(self.dtype, cute.cosize(ds_layout))
+        rows = {
+            name: buffer(Float32, self.rows_stride * (stages - 1) + tile_m, 128)
+            for name, stages in (("sLSE", self.q_stages), ("sD", self.do_stages))
+        }
         dq = {"sdQ": buffer(Float32, cute.cosize(dq_layout))}
         # tile_m 80: 226.3 KB of the 227 allowed with the rows last, so that sdQ's 1 KB alignment
-        # costs nothing (rows first, as the other tiles have them, would need 227.0).
-        fields.update({**dq, **rows} if self.dq_swapped else {**rows, **dq})
+        # costs nothing (rows first, as the other tiles have them, would need 227.0); the wide
+        # kernel's likewise.
+        fields.update({**dq, **rows} if self.dq_swapped or self.p_in_smem else {**rows, **dq})
         SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         # Key blocks x q heads x batch (varlen: of the longest key sequence x heads x sequences).
-        grid = (cute.ceil_div(cute.size(mK.shape[0]), TILE_N), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        grid = (cute.ceil_div(cute.size(mK.shape[0]), tile_n), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         if const_expr(self.varlen):
-            grid = ((max_seqlen_k + TILE_N - 1) // TILE_N, cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
+            grid = ((max_seqlen_k + tile_n - 1) // tile_n, cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, tma_atom_dK, mdK, tma_atom_dV, mdV,
             mSem, softmax_scale,
             qhead_per_kvhead, window_size_left, window_size_right, softcap, mCuSeqlensQ, mCuSeqlensK,
-            kv_layout, kv_layout, q_layout, q_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv,
+            kv_layout, v_layout, q_layout, do_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv,
             tiled_mma_dq, SharedStorage,
         ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
+
+    def smem_layouts(self):
+        """The shared-memory layouts (K, V, Q's stages, dO's stages, dS^T's two buffers, dQ's
+        per-warpgroup fp32 staging): the 16-bit ones row-major, swizzled as widely as their
+        columns allow. (`sm90_bwd_wide` has its own.)"""
+        d = self.head_dim
+        kv = smem_layout(self.dtype, self.tile_n, d)
+        q = smem_layout(self.dtype, self.tile_m, d, self.q_stages)
+        ds = smem_layout(self.dtype, self.tile_n, self.tile_m, 2)  # dS^T: keys x queries
+        dq = smem_layout(Float32, *self.dq_tile, 2)
+        return kv, kv, q, q, ds, dq
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
