@@ -157,6 +157,7 @@ def test_lse_gradient(hopper_gpu):
 MODES = [(torch.float16, False), (torch.bfloat16, False), (torch.bfloat16, True)]
 MODE_IDS = ["fp16", "bf16", "bf16-deterministic"]
 FEATURE_SEQLENS = [(1, 1), (3, 3), (113, 203), (239, 1), (128, 1000), (1000, 128), (1023, 1024)]
+NO_FEATURES = {"plain": (False, {}), "causal": (True, {})}
 FEATURES = {
     "causal-left": (True, dict(window=(100, -1))),
     "left": (False, dict(window=(37, -1))),
@@ -175,7 +176,9 @@ FEATURES = {
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
-def test_score_features_backward(hopper_gpu, dtype, deterministic, d, feature, seqlens, heads):
+def test_score_features_backward(
+    hopper_gpu, dtype, deterministic, d, feature, seqlens, heads, dv: int | None = None
+):
     # Through flash_attn_func's autograd: the forward's features reach the backward kernel (its
     # block range and element mask from the key side, the softcap derivative, the sink's gradient
     # from the row sums). 128x1000 with a left window leaves key blocks no query block sees; the
@@ -183,11 +186,14 @@ def test_score_features_backward(hopper_gpu, dtype, deterministic, d, feature, s
     # bitwise equal.
     import hopper_fmha
 
-    causal, features = FEATURES[feature]
+    causal, features = {**FEATURES, **NO_FEATURES}[feature]
     sq, sk = seqlens
     h, hkv = HEADS[heads]
     seed = zlib.crc32(repr(("features", feature, d, seqlens, heads, str(dtype))).encode())
-    q, k, v = (t.requires_grad_() for t in make_inputs(2, sq, sk, h, hkv, d, dtype, seed))
+    q, k, v = make_inputs(2, sq, sk, h, hkv, d, dtype, seed)
+    if dv is not None:  # v's own head dim
+        v = make_inputs(2, sq, sk, h, hkv, dv, dtype, seed + 1)[2]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     sink = None
     if features.get("sink"):
         sink = torch.randn(
@@ -684,35 +690,7 @@ WIDE_192_SEQLENS = [(1, 1), (113, 203), (128, 1000), (1023, 1024)]
 def test_wide_192_128(hopper_gpu, wide, dtype, deterministic, feature, seqlens, heads):
     # DeepSeek's (192, 128), natively: 96 keys per CTA, dK^T and dV^T split by keys, K's 64-byte
     # swizzle; through flash_attn_func's autograd, deterministic twice bitwise equal.
-    import hopper_fmha
-
-    causal, features = {"plain": (False, {}), "causal": (True, {})}.get(feature) or FEATURES[feature]
-    sq, sk = seqlens
-    h, hkv = HEADS[heads]
-    seed = zlib.crc32(repr(("wide-192-128", feature, seqlens, heads, str(dtype))).encode())
-    q, k, _ = make_inputs(2, sq, sk, h, hkv, 192, dtype, seed)
-    v = make_inputs(2, sq, sk, h, hkv, 128, dtype, seed + 1)[2]
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    sink = None
-    if features.get("sink"):
-        sink = torch.randn(
-            h, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)
-        ).requires_grad_()
-    kwargs = dict(window_size=features.get("window", (-1, -1)), softcap=features.get("softcap", 0.0))
-    out = hopper_fmha.flash_attn_func(
-        q, k, v, causal=causal, learnable_sink=sink, deterministic=deterministic, **kwargs
-    )
-    dout = torch.randn_like(out)
-    inputs = (q, k, v) + ((sink,) if sink is not None else ())
-    ours = torch.autograd.grad(out, inputs, dout, retain_graph=deterministic)
-    ref_kw = dict(window=kwargs["window_size"], softcap=kwargs["softcap"], sink=sink)
-    ref = grads(q, k, v, dout, 192**-0.5, causal, torch.float64, **ref_kw)
-    base = grads(q, k, v, dout, 192**-0.5, causal, dtype, **ref_kw)
-    check_grads(ours[:3], ref[:3], base[:3], dtype)
-    if sink is not None:
-        check_sink_grad(ours[3], ref[3], base[3])
-    if deterministic:
-        check_repeats_bitwise(ours, out, inputs, dout)
+    test_score_features_backward(hopper_gpu, dtype, deterministic, 192, feature, seqlens, heads, 128)
 
 
 WIDE_PADDED_DIMS = [(192, 64), (192, 192), (160, 160), (136, 64), (256, 128), (136, 136)]
