@@ -80,6 +80,12 @@ def main():
         help="dQ staged and added in fragment order (sm90_bwd.DQ_FRAGMENTS), or as now",
     )
     parser.add_argument(
+        "--dq-writer",
+        choices=("on", "off"),
+        default=None,
+        help="deterministic: turns and dQ adds by a warp of their own (sm90_bwd.DQ_WRITER_WARP), or not",
+    )
+    parser.add_argument(
         "--wide",
         action="store_true",
         help="head dims past 128 on the d256 kernel (backward.WIDE_BACKWARD; padded below 256)",
@@ -100,6 +106,8 @@ def main():
         sm90_bwd.DQ_SCALE_AT_CAST = args.dq_at_cast == "on"
     if args.dq_fragments is not None:
         sm90_bwd.DQ_FRAGMENTS = args.dq_fragments == "on"
+    if args.dq_writer is not None:
+        sm90_bwd.DQ_WRITER_WARP = args.dq_writer == "on"
     if args.wide:
         import hopper_fmha.backward
 

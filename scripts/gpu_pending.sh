@@ -10,6 +10,8 @@
 #   sm90_bwd.DQ_SCALE_AT_CAST   dQacc unscaled, the scale applied as the host casts (bwd_profile --dq-at-cast)
 #   sm90_bwd.DQ_FRAGMENTS       dQ in fragment order, STS.128 + 1-D bulk reduce-add, every dense tile
 #                               (bwd_profile --dq-fragments), alone and with the above
+#   sm90_bwd.DQ_WRITER_WARP     deterministic: turns and dQ adds by a warp of their own (FA4's); part 2
+#                               A/B (bwd_profile --dq-writer), tests -k dq_writer in part 1
 #   d192/dv128 pingpong         sustained.py, ws against ws:pingpong=1 (v25: causal 0.975x FA4's time
 #                               with it, 0.998x without; non-causal not measured at 128x128)
 set -x
@@ -19,7 +21,7 @@ part=${1:-1}
 
 if [ "$part" = 1 ]; then
     python scripts/gpu_tier.py --out /tmp/pending-tier --archive "$OUT/tier.tar.gz" --procs 15 --budget 420 \
-        --stall 120 --chunked -k "wide or dq_scale or dq_fragments" tests/test_gpu_backward.py > "$OUT/tier.log" 2>&1
+        --stall 120 --chunked -k "wide or dq_scale or dq_fragments or dq_writer" tests/test_gpu_backward.py > "$OUT/tier.log" 2>&1
     tail -2 "$OUT/tier.log"
     grep -h "^FAILED" /tmp/pending-tier/report*.txt | head -20
     # The d256 kernel: bf16 B4 N4096 hidden 2048 (H8), the backward preset's d256 cells
@@ -44,6 +46,14 @@ for cfg in "--d 128 --heads 16" "--d 128 --heads 16 --causal" "--d 64 --heads 32
             2>&1 | grep TFLOP | sed "s/\$/  (fragments $1, at cast $2)/"
     done
 done | tee "$OUT/dq_switches.txt"
+
+# Deterministic: the dQ writer warp off / on / off, d128 (rotated walk), d128 causal, d64 causal.
+for cfg in "--d 128 --heads 16" "--d 128 --heads 16 --causal" "--d 64 --heads 32 --causal"; do
+    for w in off on off; do
+        timeout 60 python scripts/bwd_profile.py $cfg --versions 2 --deterministic --dq-writer $w \
+            2>&1 | grep TFLOP | sed "s/\$/  (writer $w)/"
+    done
+done | tee "$OUT/dq_writer.txt"
 
 python scripts/sustained.py --backends fa4 ws ws:pingpong=1 --headdim 192 --headdim-v 128 --seqlen 4096 \
     --batch 4 --heads 16 --causal both --dtype bf16 --passes 2 --seconds 0.6 --settle 0.3 2>&1 \

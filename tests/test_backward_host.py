@@ -140,7 +140,7 @@ def kernels(monkeypatch):
     def compile_bwd(*key):
         keys.append(key)
         # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
-        # tile_m, rotate, dq_unscaled, dq_fragments, dv)
+        # tile_m, rotate, dq_unscaled, dq_fragments, dv, dq_writer)
         assert key[10] is False
         kernel = dense_kernel(launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11])
         return binding_checked(key, kernel)
@@ -208,6 +208,7 @@ def test_launch_matches_the_kernel_signature(kernels):
             False,
             False,
             64,
+            False,
         )
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
@@ -297,6 +298,42 @@ def test_dq_fragments(kernels, monkeypatch, kv_heads, deterministic, unscaled, d
     for ours, ref in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
         assert ours.dtype == torch.bfloat16 and ours.is_contiguous()
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dq_writer_warp_only_where_deterministic(kernels, monkeypatch, causal):
+    # `DQ_WRITER_WARP` (compile-key element 16): deterministic calls of the v2 kernel ask for the
+    # writer warp; atomic ones and the wide kernel do not. Gradients as before.
+    import hopper_fmha.backward as host
+
+    launches, keys = kernels
+    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_WARP", True)
+    q, k, v, out, dout, lse = inputs(sq=150, sk=170, kv_heads=2, d=128)
+    if causal:
+        out, lse = reference(q, k, v, 128**-0.5, True)
+        out = out.to(q.dtype)
+    for deterministic in (False, True):
+        grads = sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, causal, deterministic=deterministic)
+        assert keys[-1][16] is deterministic and keys[-1][3] is deterministic
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        o, _ = reference(*leaves, 128**-0.5, causal, dtype=torch.float64)
+        for ours, ref in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
+            torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(host, "WIDE_BACKWARD", True)
+    wide = [torch.nn.functional.pad(t, (0, 128)) for t in (q, k, v, out, dout)]
+    sm90_bwd.backward(*wide, lse, 0.1, causal, deterministic=True)
+    assert keys[-1][1] == 256 and keys[-1][16] is False  # the wide kernel waits for turns itself
+
+
+def test_varlen_dq_writer_warp(varlen_kernels, monkeypatch):
+    launches, keys = varlen_kernels
+    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_WARP", True)
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 33], [90, 5, 40], causal=True)
+    for deterministic in (False, True):
+        sm90_bwd.backward_varlen(
+            q, k, v, out, dout, lse, cu_q, cu_k, 70, 90, 64**-0.5, True, deterministic=deterministic
+        )
+        assert keys[-1][16] is deterministic
 
 
 def test_deterministic_gets_zeroed_semaphores(kernels):

@@ -716,3 +716,47 @@ def test_wide_varlen_backward(hopper_gpu, wide, dtype, deterministic, dims, case
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_wide_deterministic_is_bitwise_reproducible(hopper_gpu, wide, causal):
     test_deterministic_is_bitwise_reproducible(hopper_gpu, causal, 256)  # 100 repeats
+
+
+# ---- deterministic mode's dQ writer warp (`sm90_bwd.DQ_WRITER_WARP`, session 26, not yet run) ----
+
+
+@pytest.fixture
+def dq_writer(monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_WARP", True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_writer_bitwise_reproducible(hopper_gpu, dq_writer, causal, d):
+    # 100 repeats bitwise equal; non-causal d128 takes the rotated walk (a head's key blocks fit).
+    test_deterministic_is_bitwise_reproducible(hopper_gpu, causal, d)
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize(
+    "seqlens",
+    [(1, 1), (128, 1000), (1000, 128), (1023, 1024)],
+    ids=["1x1", "128x1000", "1000x128", "1023x1024"],
+)
+@pytest.mark.parametrize("feature", ["plain", "causal", "causal-left", "both", "softcap", "all"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_writer_score_features(hopper_gpu, dq_writer, d, feature, seqlens, heads):
+    # Windows leave key blocks no query block sees (128x1000): every turn still taken.
+    test_score_features_backward(hopper_gpu, torch.bfloat16, True, d, feature, seqlens, heads)
+
+
+@pytest.mark.parametrize("case", ["causal", "both", "sink"])
+def test_dq_writer_varlen(hopper_gpu, dq_writer, case):
+    test_varlen_backward(hopper_gpu, torch.bfloat16, True, 128, case, "gqa")
+
+
+def test_dq_writer_with_fragments(hopper_gpu, dq_writer, monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", True)
+    for d in (64, 128):
+        test_deterministic_is_bitwise_reproducible(hopper_gpu, False, d)
+        test_deterministic_is_bitwise_reproducible(hopper_gpu, True, d)

@@ -472,6 +472,7 @@ def compile_bwd(
     dq_unscaled: bool = False,
     dq_fragments: bool = False,
     head_dim_v: int | None = None,
+    dq_writer: bool = False,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
@@ -479,7 +480,8 @@ def compile_bwd(
     tile_m: queries per step (`query_tile`); rotate: the deterministic walk (`rotates`) (version 2
     only); dq_unscaled: dQacc without the softmax scale (`DQ_SCALE_AT_CAST`); dq_fragments: dQacc in
     fragment order (`DQ_FRAGMENTS`); head_dim_v: v's, dO's, dV's (None: head_dim), past 128 the
-    wide kernel's pairs (`sm90_bwd_wide.SHAPES`).
+    wide kernel's pairs (`sm90_bwd_wide.SHAPES`); dq_writer: deterministic turns and dQ's adds by
+    a warp of their own (`DQ_WRITER_WARP`).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
@@ -487,7 +489,9 @@ def compile_bwd(
     if version == 2 and head_dim > HEAD_DIMS[-1]:
         from .sm90_bwd_wide import BwdWideSm90
 
-        assert not (dkv_atomic or rotate or dq_fragments), "wide: dK, dV per q head, no rotation or fragments"
+        assert not (dkv_atomic or rotate or dq_fragments or dq_writer), (
+            "wide: dK, dV per q head, no rotation, no fragments or writer warp"
+        )
         assert tile_m == TILE, "the wide kernel steps 64 queries"
         kernel = BwdWideSm90(
             dtype, head_dim, head_dim_v, causal, deterministic, window_left, window_right, softcap, varlen,
@@ -498,14 +502,14 @@ def compile_bwd(
 
         kernel = BwdWsSm90(
             dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen,
-            tile_m, rotate, dq_unscaled, dq_fragments,
+            tile_m, rotate, dq_unscaled, dq_fragments, dq_writer,
         )  # fmt: skip
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
         assert not (window_left or window_right or softcap or varlen), "version 1: no window, softcap, varlen"
         assert tile_m == TILE, "version 1 steps 64 queries"
         assert not rotate, "version 1: no rotated deterministic walk"
-        assert not dq_fragments, "version 1: dQ by atomics"
+        assert not (dq_fragments or dq_writer), "version 1: dQ by atomics"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic, dq_unscaled)
     return cute.compile(
         kernel,
@@ -529,6 +533,12 @@ DQ_SCALE_AT_CAST = False
 # d128 non-causal; 64: causal, windows, softcap; 128: d64). Off: built in sessions 25 (tile 80)
 # and 26 (the others) without a GPU (compile tier and host only). Part of the compile key.
 DQ_FRAGMENTS = False
+# Deterministic mode: a warp of the producer warpgroup waits for the CTA's turn at each query block,
+# adds both consumer warpgroups' dQ parts and passes the turn (FA4's dQ writer warp); the consumers
+# only stage dQ, so a late turn costs them nothing until their next block's staging. The deterministic
+# backward runs at 68-74% of the plain one (v25 presets; target 85%). Off: built in session 26 without
+# a GPU (compile tier and host only). Part of the compile key.
+DQ_WRITER_WARP = False
 
 
 def fragment_dims(tile_m: int, head_dim: int):
@@ -816,8 +826,9 @@ def backward(
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
     rotate = not wide and rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
+    writer = DQ_WRITER_WARP and bool(deterministic) and version == 2 and not wide
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
-    key = key + (rotate, dq_unscaled, dq_fragments, dv)
+    key = key + (rotate, dq_unscaled, dq_fragments, dv, writer)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -948,6 +959,7 @@ def backward_varlen(
         dq_unscaled,
         False,  # dq_fragments: dense only
         dv,
+        DQ_WRITER_WARP and bool(deterministic) and not wide,
     )
     fn = _compiled.get(key)
     if fn is None:

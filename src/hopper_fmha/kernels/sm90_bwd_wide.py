@@ -134,6 +134,7 @@ class BwdWideSm90(BwdWsSm90):
         self.descending = causal or window_right
         self.rotate = False
         self.dkv_tma = False
+        self.dq_writer = False
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -284,15 +285,16 @@ class BwdWideSm90(BwdWsSm90):
             pipe_do.consumer_release(do_state)  # dP and dV^T, dO's readers, are done
             do_state.advance()
 
-            self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx)
+            self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min)
             if const_expr(self.deterministic):
-                n_min, n_max, _, _ = mask.block_range_local(m_block, seqlen)
-                if const_expr(self.varlen):
-                    n_max = cutlass.min(n_max, cute.arch.grid_dim()[0])
-                turn = n_block - n_min
-                if const_expr(self.descending):
-                    turn = n_max - 1 - n_block
-                self.wait_turn(mSem, m_block, head, batch, turn, tidx)
+                self.wait_turn(
+                    mSem,
+                    m_block,
+                    head,
+                    batch,
+                    self.dq_turn(mask, seqlen, m_block, n_block, m_min, None),
+                    tidx,
+                )
             self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
             if const_expr(self.deterministic):
                 held = m_block

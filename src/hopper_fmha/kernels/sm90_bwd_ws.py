@@ -108,6 +108,11 @@ BARRIER_DKV = 5  # both consumer warpgroups: sK, sV free for dK, dV / dK, dV wri
 # `sm90_bwd_wide`'s: both consumer warpgroups' GEMMs of a block have read its one sP/sdS buffer. The
 # named barriers of both kernels are numbered here, so that no id meets with two thread counts.
 BARRIER_PDS_FREE = 6
+# `dq_writer` (deterministic): both consumer warpgroups' dQ parts are staged / the writer warp has
+# read them (consumers 256 threads + the writer's 32).
+BARRIER_DQ_FULL = 7
+BARRIER_DQ_EMPTY = 8
+DQ_WRITER_THREADS = NUM_MMA_THREADS + 32
 
 
 class BwdWsSm90(BwdSm90):
@@ -139,6 +144,7 @@ class BwdWsSm90(BwdSm90):
         rotate: bool = False,
         dq_unscaled: bool = False,
         dq_fragments: bool = False,
+        dq_writer: bool = False,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
@@ -153,7 +159,10 @@ class BwdWsSm90(BwdSm90):
         CTA n walks the query blocks from n * (C // num_n) on, wrapping (C query blocks, num_n key
         blocks), and the turns at block m go in the order the CTAs reach it (`turn`). The host
         sets it only where a head's key blocks fit on the GPU at once (`sm90_bwd.rotates`): the
-        order has one wrap-around wait on a later-launched CTA."""
+        order has one wrap-around wait on a later-launched CTA.
+        dq_writer (deterministic): the turns are waited for and passed, and dQ's reduce-adds
+        issued, by a warp of its own (the producer warpgroup's second, `write_dq`); the consumer
+        warpgroups only stage dQ and go on (`sm90_bwd.DQ_WRITER_WARP`)."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -177,6 +186,8 @@ class BwdWsSm90(BwdSm90):
         # dQ leaves in fragment order (`stage_dq`, `issue_dq`): dense (`sm90_bwd.DQ_FRAGMENTS`).
         assert not (dq_fragments and varlen), "dq_fragments: dense"
         self.dq_fragments = dq_fragments
+        assert not dq_writer or deterministic, "dq_writer: deterministic mode"
+        self.dq_writer = dq_writer
         # dQ per warpgroup: 64 rows x d / 2 columns (tile_m 64), or 64 of the 128 rows x d.
         self.dq_by_rows = tile_m == 2 * TILE_M
         # tile_m 80 (FA4's d128 non-causal tile): dQ = dS K has M = 80 queries, which WGMMA does
@@ -451,6 +462,11 @@ class BwdWsSm90(BwdSm90):
                     mLSE, tma_atom_D, mD, sQ, sdO, sK, sV, sLSE, sD, mbar_KV, pipes, n_block, head,
                     head // qhead_per_kvhead, batch, seqlen, m_min, m_max, walk,
                 )  # fmt: skip
+            if const_expr(self.dq_writer):
+                if warp_idx == 1:
+                    self.write_dq(
+                        sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, n_block, head, batch, m_min, m_max, walk
+                    )
         else:
             cute.arch.setmaxregister_increase(REGISTERS[1])
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
@@ -606,7 +622,7 @@ class BwdWsSm90(BwdSm90):
             gemm(
                 tiled_mma_s, acc_dP, tPrV, tPrdO[None, None, None, do_state.index], zero_init=True, wg_wait=-1
             )
-            if const_expr(self.deterministic):
+            if const_expr(self.deterministic and not self.dq_writer):
                 if held >= 0:
                     self.release_turn(mSem, held, head, batch, tidx)
             # Blocks that need the element mask: keys past the end, or past the edge of some row's
@@ -665,29 +681,19 @@ class BwdWsSm90(BwdSm90):
 
             # dQ into sdQ, then (deterministic: at the CTA's turn, complete before the turn passes,
             # `release_turn`) added into dQacc by TMA.
-            self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx)
-            if const_expr(self.deterministic):
-                # The key blocks that visit query block m_block, by the forward's rule (the same
-                # pairs as `query_block_range`): descending from the last, or ascending.
-                n_min, n_max, _, _ = mask.block_range_local(m_block, seqlen)
-                if const_expr(self.varlen):
-                    # Key blocks past the grid (a max_seqlen_k below the truth, unchecked under
-                    # graph capture) have no CTA: none of them takes a turn, none is waited for.
-                    n_max = cutlass.min(n_max, cute.arch.grid_dim()[0])
-                turn = n_block - n_min
-                if const_expr(self.descending):
-                    turn = n_max - 1 - n_block
-                if const_expr(self.rotate):
-                    turn = self.turn(m_block - m_min, n_block, walk)
-                self.wait_turn(mSem, m_block, head, batch, turn, tidx)
-            self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
-            if const_expr(self.deterministic):
-                held = m_block
+            self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min)
+            if const_expr(not self.dq_writer):  # (else the writer warp adds it, `write_dq`)
+                if const_expr(self.deterministic):
+                    turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)
+                    self.wait_turn(mSem, m_block, head, batch, turn, tidx)
+                self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
+                if const_expr(self.deterministic):
+                    held = m_block
             warpgroup.wait_group(0)  # dK done: Q's stage goes back to the producer
             pipe_q.consumer_release(q_state)
             q_state.advance()
 
-        if const_expr(self.deterministic):
+        if const_expr(self.deterministic and not self.dq_writer):
             if held >= 0:
                 self.release_turn(mSem, held, head, batch, tidx)
         if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
@@ -875,6 +881,64 @@ class BwdWsSm90(BwdSm90):
         return turn
 
     @cute.jit
+    def dq_turn(self, mask, seqlen, m_block, n_block, m_min, walk):
+        """Deterministic: this CTA's turn to add into query block m_block's dQ. The key blocks
+        that visit the block, by the forward's rule (the same pairs as `query_block_range`):
+        descending from the last, or ascending, or (`rotate`) in the order the CTAs reach it."""
+        n_min, n_max, _, _ = mask.block_range_local(m_block, seqlen)
+        if const_expr(self.varlen):
+            # Key blocks past the grid (a max_seqlen_k below the truth, unchecked under graph
+            # capture) have no CTA: none of them takes a turn, none is waited for.
+            n_max = cutlass.min(n_max, cute.arch.grid_dim()[0])
+        turn = n_block - n_min
+        if const_expr(self.descending):
+            turn = n_max - 1 - n_block
+        if const_expr(self.rotate):
+            turn = self.turn(m_block - m_min, n_block, walk)
+        return turn
+
+    @cute.jit
+    def write_dq(
+        self, sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, n_block, head, batch, m_min, m_max, walk
+    ):
+        """`dq_writer`'s warp (the producer warpgroup's second): per query block of the walk, once
+        both consumer warpgroups have staged their dQ parts (`BARRIER_DQ_FULL`), wait for the
+        CTA's turn, add both parts into dQacc, hand the buffers back once read
+        (`BARRIER_DQ_EMPTY`, not after the last block, whose staging nobody waits for), and pass
+        the turn once the adds are complete. The consumers wait for a turn no more: only for the
+        buffers, one block later."""
+        lane = cute.arch.lane_idx()
+        for i in cutlass.range(m_min, m_max, unroll=1):
+            m_block = self.walk_block(i, m_min, m_max, walk)
+            cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=DQ_WRITER_THREADS)
+            turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)
+            sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+            if lane == 0:
+                seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
+                while seen != turn:
+                    seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
+            cute.arch.sync_warp()
+            # The turn was acquired by a generic-proxy load; the reduce-adds are async-proxy writes.
+            cute.arch.fence_proxy("async.global")
+            for wg in cutlass.range_constexpr(2):
+                if const_expr(self.dq_fragments):
+                    if lane == 0:
+                        self.reduce_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg)
+                else:
+                    self.reduce_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            if i + 1 < m_max:
+                cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_EMPTY, number_of_threads=DQ_WRITER_THREADS)
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")  # the adds' writes before the turn's release
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
     def release_turn(self, mSem, m_block, head, batch, tidx):
         """Deterministic: once this CTA's reduce-adds into block m_block are complete (each
         warpgroup's issuing warp waits for its bulk group), the block's turn passes on."""
@@ -897,14 +961,15 @@ class BwdWsSm90(BwdSm90):
         )
 
     @cute.jit
-    def stage_dq(self, acc_dQ, sdQ, scale, tidx):
+    def stage_dq(self, acc_dQ, sdQ, scale, tidx, again):
         """scale * acc_dQ (this warpgroup's part of a query block's dQ, `dq_tile`; no scale with
         dq_unscaled) into its buffer of sdQ, once the previous block's reduce-add has read it
-        (`issue_dq`'s issuer waits)."""
+        (`issue_dq`'s issuer waits; with `dq_writer`, the writer warp says so where `again`: not
+        the walk's first block)."""
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wtid = tidx % WARPGROUP
         if const_expr(self.dq_fragments):
-            self.stage_dq_fragments(acc_dQ, sdQ, scale, wg, wtid)
+            self.stage_dq_fragments(acc_dQ, sdQ, scale, wg, wtid, again)
         else:
             # This warpgroup's accumulator is a one-warpgroup GEMM's of `dq_tile`.
             half_mma = sm90_utils.make_trivial_tiled_mma(
@@ -915,20 +980,39 @@ class BwdWsSm90(BwdSm90):
             if const_expr(self.dq_swapped):  # the buffer seen as (d / 2, tile_m): dQ^T's shape
                 sdQ_wg = cute.composition(sdQ_wg, cute.make_ordered_layout(self.dq_mma_tile, order=(1, 0)))
             tdQsdQ = half_mma.get_slice(wtid).partition_C(sdQ_wg)
-            if wtid < 32:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
+            self.dq_buffer_free(wg, wtid, again)
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                 tdQsdQ[i] = acc_dQ[i] if const_expr(self.dq_unscaled) else acc_dQ[i] * scale
             cute.arch.fence_view_async_shared()
+            self.dq_buffer_written(wg)
+
+    @cute.jit
+    def dq_buffer_free(self, wg, wtid, again):
+        """Until warpgroup wg's sdQ buffer may be written: its previous reduce-add has read it
+        (the issuing warp waits for its bulk group, then the warpgroup syncs), or, with
+        `dq_writer`, the writer warp has read both buffers (after the walk's first block)."""
+        if const_expr(self.dq_writer):
+            if again:
+                cute.arch.barrier(barrier_id=BARRIER_DQ_EMPTY, number_of_threads=DQ_WRITER_THREADS)
+        else:
+            if wtid < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
 
     @cute.jit
-    def stage_dq_fragments(self, acc_dQ, sdQ, scale, wg, wtid):
+    def dq_buffer_written(self, wg):
+        """After warpgroup wg's part is in sdQ (and fenced for the async proxy): its warpgroup
+        syncs before one warp issues the add, or, with `dq_writer`, it tells the writer warp and
+        goes on."""
+        if const_expr(self.dq_writer):
+            cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_FULL, number_of_threads=DQ_WRITER_THREADS)
+        else:
+            cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
+
+    @cute.jit
+    def stage_dq_fragments(self, acc_dQ, sdQ, scale, wg, wtid, again):
         """`stage_dq` in fragment order (`dq_fragment_layout`): 16-byte stores, no swizzle."""
-        if wtid < 32:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
+        self.dq_buffer_free(wg, wtid, again)
         for k in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
             vals = cute.make_rmem_tensor((4,), Float32)
             for c in cutlass.range_constexpr(4):
@@ -936,39 +1020,42 @@ class BwdWsSm90(BwdSm90):
                 vals[c] = v if const_expr(self.dq_unscaled) else v * scale
             cute.autovec_copy(vals, sdQ[None, wtid, k, wg])
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
+        self.dq_buffer_written(wg)
 
     @cute.jit
     def issue_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx):
-        """dQacc[block m_block][:, half w] += warpgroup w's sdQ buffer: one TMA reduce-add issued
-        by the warpgroup's first warp, in flight while the loop goes on (deterministic: the turn
-        passes once its writes are done, `release_turn`)."""
+        """dQacc[block m_block][:, half w] += warpgroup w's sdQ buffer: one TMA reduce-add (or, in
+        fragment order, one 1-D bulk reduce-add by one thread) issued by the warpgroup's first
+        warp, in flight while the loop goes on (deterministic: the turn passes once its writes are
+        done, `release_turn`)."""
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        issuer = tidx % WARPGROUP == 0 if const_expr(self.dq_fragments) else tidx % WARPGROUP < 32
+        if issuer:
+            if const_expr(self.deterministic):
+                # The turn was acquired by a generic-proxy load; the reduce-add is an async-proxy
+                # write: the PTX memory model orders the two only through a proxy fence.
+                cute.arch.fence_proxy("async.global")
+            self.reduce_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg)
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def reduce_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg):
+        """Issue the add of warpgroup wg's sdQ buffer into its part of dQacc's block m_block (a
+        warp's TMA reduce-add; in fragment order one thread's 1-D bulk reduce-add onto the
+        warpgroup's contiguous half of the block, the host laying dQacc out per head)."""
         if const_expr(self.dq_fragments):
-            # Fragment order: the warpgroup's buffer, whole, onto its 16-byte-aligned half of the
-            # block's dQacc rows (contiguous: the host lays dQacc out per head, `sm90_bwd`).
-            if tidx % WARPGROUP == 0:
-                if const_expr(self.deterministic):
-                    cute.arch.fence_proxy("async.global")  # as below
-                gdQ = mdQacc[None, None, head, batch]
-                count = cute.size(sdQ, mode=[0]) * cute.size(sdQ, mode=[1]) * cute.size(sdQ, mode=[2])
-                dst = gdQ.iterator + cute.crd2idx((m_block * self.tile_m, 0), gdQ.layout) + wg * count
-                bulk_reduce_add_f32(dst, sdQ[None, None, None, wg].iterator, count * 4)
-                cute.arch.cp_async_bulk_commit_group()
+            gdQ = mdQacc[None, None, head, batch]
+            count = cute.size(sdQ, mode=[0]) * cute.size(sdQ, mode=[1]) * cute.size(sdQ, mode=[2])
+            dst = gdQ.iterator + cute.crd2idx((m_block * self.tile_m, 0), gdQ.layout) + wg * count
+            bulk_reduce_add_f32(dst, sdQ[None, None, None, wg].iterator, count * 4)
         else:
-            if tidx % WARPGROUP < 32:
-                if const_expr(self.deterministic):
-                    # The turn was acquired by a generic-proxy load; the reduce-add is an async-proxy
-                    # write: the PTX memory model orders the two only through a proxy fence.
-                    cute.arch.fence_proxy("async.global")
-                sdQ_wg = sdQ[None, None, wg]
-                # This warpgroup's part: rows of the block's second half (by rows), or columns.
-                part = (m_block * 2 + wg, 0) if const_expr(self.dq_by_rows) else (m_block, wg)
-                gdQ = cute.local_tile(self.padded_rows(mdQacc, head, batch, seqlen), self.dq_tile, part)
-                s_grouped, g_grouped = cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
-                tdQs, tdQg = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), s_grouped, g_grouped)
-                cute.copy(tma_atom_dQ, tdQs, tdQg)
-                cute.arch.cp_async_bulk_commit_group()
+            sdQ_wg = sdQ[None, None, wg]
+            # This warpgroup's part: rows of the block's second half (by rows), or columns.
+            part = (m_block * 2 + wg, 0) if const_expr(self.dq_by_rows) else (m_block, wg)
+            gdQ = cute.local_tile(self.padded_rows(mdQacc, head, batch, seqlen), self.dq_tile, part)
+            s_grouped, g_grouped = cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2)
+            tdQs, tdQg = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), s_grouped, g_grouped)
+            cute.copy(tma_atom_dQ, tdQs, tdQg)
 
     def dkv_by_tma(self, mdK) -> bool:
         """dK, dV leave through shared memory and TMA stores: written in the inputs' type at q
