@@ -33,7 +33,9 @@ releases a block's turn once its reduce-adds are complete, but not in place: dur
 block's S^T and dP^T GEMMs (`release_turn`; waiting in place cost ~1 block in 5 at d128). Without
 causal or window (`rotate`) CTA n starts its walk at query block n * (C // num_n) and wraps, so
 the CTAs of a head do not all queue at block 0 (the plain ascending order made CTA n wait n turns
-there); the turns follow the arrival order (`turn`).
+there); the turns follow the arrival order (`turn`). With `dq_writer` the turns are waited for and
+passed, and the adds issued, by the producer warpgroup's second warp instead (`write_dq`), so the
+consumers never wait for a turn, only (one block later) for their dQ buffers.
 
 The epilogue writes dK * scale and dV per q head (MHA: in the inputs' type), or, with GQA and not
 deterministic (`dkv_atomic`), adds them into per-kv-head fp32 sums (red.global.add.v2.f32), so
@@ -696,8 +698,9 @@ class BwdWsSm90(BwdSm90):
         if const_expr(self.deterministic and not self.dq_writer):
             if held >= 0:
                 self.release_turn(mSem, held, head, batch, tidx)
-        if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(not self.dq_writer):  # (else the writer warp waits for its own)
+            if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(tma_atom_dK is not None):
             self.store_dkdv_tma(
                 acc_dK, acc_dV, tiled_mma_kv, sK, sV, tma_atom_dK, mdK, tma_atom_dV, mdV, softmax_scale,
@@ -910,9 +913,9 @@ class BwdWsSm90(BwdSm90):
         lane = cute.arch.lane_idx()
         for i in cutlass.range(m_min, m_max, unroll=1):
             m_block = self.walk_block(i, m_min, m_max, walk)
-            cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=DQ_WRITER_THREADS)
-            turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)
+            turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)  # (before the wait)
             sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+            cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=DQ_WRITER_THREADS)
             if lane == 0:
                 seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
                 while seen != turn:
