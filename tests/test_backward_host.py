@@ -931,3 +931,20 @@ def test_row_stages_start_on_tma_alignment(head_dim, tile_m):
     kernel = BwdWsSm90(cutlass.BFloat16, head_dim, False, tile_m=tile_m)
     assert kernel.rows_stride >= tile_m
     assert (kernel.rows_stride * 4) % 128 == 0
+
+
+def test_sass_hashes_configurations_bind_to_compile_bwd():
+    # scripts/sass_hashes.py names compile_bwd's keyword arguments: they must stay its parameters.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "scripts" / "sass_hashes.py"
+    spec = importlib.util.spec_from_file_location("sass_hashes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    signature = inspect.signature(sm90_bwd.compile_bwd)
+    configs = {**module.DENSE, **module.MORE}
+    assert len(configs) == 16
+    for name, kwargs in configs.items():
+        signature.bind("bfloat16", **kwargs)  # raises TypeError on a name compile_bwd lacks
+        assert kwargs["head_dim"] in (64, 128, 192, 256), name
