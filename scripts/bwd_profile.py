@@ -67,28 +67,16 @@ def main():
         nargs="*",
         help="the query tiles whose MHA kernels store dK, dV by TMA (sm90_bwd_ws.DKV_TMA_TILES; empty: none)",
     )
-    parser.add_argument(
-        "--dq-at-cast",
-        choices=("on", "off"),
-        default=None,
-        help="dQ's softmax scale applied as the host casts dQacc (sm90_bwd.DQ_SCALE_AT_CAST), or per step",
-    )
-    parser.add_argument(
-        "--dq-fragments",
-        choices=("on", "off"),
-        default=None,
-        help="dQ staged and added in fragment order (sm90_bwd.DQ_FRAGMENTS), or as now",
-    )
-    parser.add_argument(
-        "--dq-writer",
-        choices=("on", "off"),
-        default=None,
-        help="deterministic: turns and dQ adds by a warp of their own (sm90_bwd.DQ_WRITER_WARP), or not",
-    )
+    for switch, what in (
+        ("--dq-at-cast", "dQ's softmax scale applied as the host casts dQacc (sm90_bwd.DQ_SCALE_AT_CAST)"),
+        ("--dq-fragments", "dQ staged and added in fragment order (sm90_bwd.DQ_FRAGMENTS)"),
+        ("--dq-writer", "deterministic: turns and dQ adds by a warp of their own (sm90_bwd.DQ_WRITER_WARP)"),
+    ):
+        parser.add_argument(switch, choices=("on", "off"), default=None, help=f"{what}, or not")
     parser.add_argument(
         "--wide",
         action="store_true",
-        help="head dims past 128 on the d256 kernel (backward.WIDE_BACKWARD; padded below 256)",
+        help="head dims past 128 on the wide kernel (backward.WIDE_BACKWARD; others padded to its pairs)",
     )
     parser.add_argument("--ncu", action="store_true", help="one call, no timing (v2 at the first --tile-m)")
     parser.add_argument(

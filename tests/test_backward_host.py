@@ -535,14 +535,14 @@ def varlen_kernels(monkeypatch):
     return launches, keys
 
 
-def varlen_inputs(lengths_q, lengths_k, heads=4, kv_heads=2, d=64, dtype=torch.bfloat16, **features):
+def varlen_inputs(lengths_q, lengths_k, heads=4, kv_heads=2, d=64, dtype=torch.bfloat16, dv=None, **features):
     from hopper_fmha.reference import reference_varlen
 
     g = torch.Generator().manual_seed(len(lengths_q))
     cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(cu_q[-1]), heads, d, generator=g).to(dtype)
-    k, v = (torch.randn(int(cu_k[-1]), kv_heads, d, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(int(cu_k[-1]), kv_heads, n, generator=g).to(dtype) for n in (d, dv or d))
     out, lse = reference_varlen(q, k, v, cu_q, cu_k, softmax_scale=d**-0.5, **features)
     dout = torch.randn(out.shape, generator=g).to(dtype)
     return q, k, v, out.to(dtype), dout, lse, cu_q, cu_k
@@ -727,37 +727,25 @@ def test_d256_refuses_version_1_and_past_256(kernels, wide):
         sm90_bwd.backward(q, q, q, q, q, torch.zeros(1, 2, 8), 0.1, False)
 
 
-def test_varlen_head_dim_192_dv_128(varlen_kernels, wide):
+@pytest.mark.parametrize(
+    "d, dv, wide_on, kernel",
+    [(96, 96, False, (128, 128)), (192, 128, True, (192, 128))],
+    ids=["d96", "d192-dv128"],
+)
+def test_varlen_head_dims(varlen_kernels, monkeypatch, d, dv, wide_on, kernel):
+    # d96 on padded copies of the d128 kernel; DeepSeek's (192, 128) natively on the wide kernel
+    # (per-q-head dK, dV: no atomic sums).
+    import hopper_fmha.backward as host
     from hopper_fmha.reference import reference_varlen
 
+    monkeypatch.setattr(host, "WIDE_BACKWARD", wide_on)
     launches, keys = varlen_kernels
-    g = torch.Generator().manual_seed(3)
-    cu_q = torch.tensor([0, 70, 70, 103], dtype=torch.int32)
-    cu_k = torch.tensor([0, 90, 95, 135], dtype=torch.int32)
-    q = torch.randn(103, 4, 192, generator=g).to(torch.bfloat16)
-    k = torch.randn(135, 2, 192, generator=g).to(torch.bfloat16)
-    v = torch.randn(135, 2, 128, generator=g).to(torch.bfloat16)
-    out, lse = reference_varlen(q, k, v, cu_q, cu_k, softmax_scale=192**-0.5, causal=True)
-    dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
-    grads = sm90_bwd.backward_varlen(q, k, v, out.to(q.dtype), dout, lse, cu_q, cu_k, 70, 90, 192**-0.5, True)
-    assert (keys[-1][1], keys[-1][15]) == (192, 128) and keys[-1][6] is False
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 33], [90, 5, 40], d=d, dv=dv, causal=True)
+    grads = sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 70, 90, d**-0.5, True)
+    assert (keys[-1][1], keys[-1][15]) == kernel and launches[-1]["q"].shape[-1] == kernel[0]
+    assert keys[-1][6] is not wide_on  # (GQA: atomic sums in the dense-dims kernel only)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=192**-0.5, causal=True, dtype=torch.float64)
-    ref = torch.autograd.grad(o, leaves, dout.double())
-    for name, ours, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
-        assert ours.shape == r.shape, name
-        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
-
-
-def test_varlen_head_dim_96(varlen_kernels):
-    from hopper_fmha.reference import reference_varlen
-
-    launches, keys = varlen_kernels
-    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 33], [90, 5, 40], d=96, causal=True)
-    grads = sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 70, 90, 96**-0.5, True)
-    assert keys[-1][1] == 128 and launches[-1]["q"].shape[-1] == 128
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=96**-0.5, causal=True, dtype=torch.float64)
+    o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=d**-0.5, causal=True, dtype=torch.float64)
     ref = torch.autograd.grad(o, leaves, dout.double())
     for name, ours, r in zip(("dq", "dk", "dv"), grads, ref, strict=True):
         assert ours.shape == r.shape, name

@@ -36,10 +36,15 @@ WIDE_KERNEL_DIMS = ((192, 128), (256, 256))
 
 
 def kernel_dims() -> tuple[tuple[int, int], ...]:
-    """The backward kernels' (head_dim, head_dim_v) pairs, cheapest first; other head dims run
-    the first pair at least as large in both on zero-padded copies
-    (`kernels.sm90_bwd.kernel_head_dims`)."""
+    """The backward kernels' (head_dim, head_dim_v) pairs, cheapest first."""
     return tuple((d, d) for d in HEAD_DIMS) + (WIDE_KERNEL_DIMS if WIDE_BACKWARD else ())
+
+
+def kernel_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
+    """The kernel pair that serves q, k's `head_dim` and v's `head_dim_v`: the first of
+    `kernel_dims()` at least as large in both (the host zero-pads the rest:
+    `kernels.sm90_bwd.backward`), None past the largest."""
+    return next(((kd, kdv) for kd, kdv in kernel_dims() if head_dim <= kd and head_dim_v <= kdv), None)
 
 
 def grad_needed(q, k, v, sink=None) -> bool:
@@ -57,8 +62,10 @@ def check_supported(head_dim: int, head_dim_v: int, deterministic) -> None:
     variant serves: the backward needs only out and the exact LSE (score features included)."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
-    dims = kernel_dims()
-    if not any(head_dim <= kd and head_dim_v <= kdv for kd, kdv in dims):
+    if head_dim <= HEAD_DIMS[-1] and head_dim_v <= HEAD_DIMS[-1]:  # (the per-call path: no tuples)
+        return
+    if kernel_head_dims(head_dim, head_dim_v) is None:
+        dims = kernel_dims()
         natively = " and ".join(str(kd) if kd == kdv else f"{kd}/{kdv}" for kd, kdv in dims)
         raise NotImplementedError(
             f"hopper_fmha's backward pass supports head dims up to {dims[-1][0]} (q, k's and v's; "

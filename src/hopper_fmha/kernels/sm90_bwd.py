@@ -661,22 +661,21 @@ def query_tile(version: int, head_dim: int, softcap: bool = False, masked: bool 
 
 
 def kernel_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
-    """The kernels' (head_dim, head_dim_v) for q, k's `head_dim` and v's `head_dim_v`: the first
-    of `backward.kernel_dims()` ((64, 64), (128, 128), and the wide kernel's (192, 128),
-    (256, 256) where it is on) at least as large in both. The host zero-pads q, k to the first, v,
-    out and dout to the second, which is exact: zero columns add nothing to S = Q K^T, dP = dO V^T
-    or D = rowsum(dO O), and the padding's gradients are dropped. Raises NotImplementedError past
-    the largest (no kernel yet)."""
+    """The kernels' (head_dim, head_dim_v) for q, k's `head_dim` and v's `head_dim_v`
+    (`backward.kernel_head_dims`: (64, 64), (128, 128), and the wide kernel's (192, 128),
+    (256, 256) where it is on). The host zero-pads q, k to the first, v, out and dout to the
+    second, which is exact: zero columns add nothing to S = Q K^T, dP = dO V^T or D = rowsum(dO O),
+    and the padding's gradients are dropped. Raises NotImplementedError past the largest."""
     from hopper_fmha.backward import kernel_dims
+    from hopper_fmha.backward import kernel_head_dims as pair
 
-    dims = kernel_dims()
-    for kd, kdv in dims:
-        if head_dim <= kd and head_dim_v <= kdv:
-            return kd, kdv
-    raise NotImplementedError(
-        f"the backward kernels take head dims up to {dims[-1][0]} (q, k's and v's); got head_dim "
-        f"{head_dim}, head_dim_v {head_dim_v}"
-    )
+    dims = pair(head_dim, head_dim_v)
+    if dims is None:
+        raise NotImplementedError(
+            f"the backward kernels take head dims up to {kernel_dims()[-1][0]} (q, k's and v's); got "
+            f"head_dim {head_dim}, head_dim_v {head_dim_v}"
+        )
+    return dims
 
 
 def _check_inputs(dtype_name: str, q, out, dout) -> None:
@@ -781,15 +780,15 @@ def backward(
     batch, seqlen_q, heads, d = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     _check_inputs(dtype_name, q, out, dout)
-    dv = v.shape[3]
-    kd, kdv = kernel_head_dims(d, dv)
-    if (kd, kdv) != (d, dv):  # the next kernel up, on zero-padded copies
+    d_v = v.shape[3]
+    kd, kdv = kernel_head_dims(d, d_v)
+    if (kd, kdv) != (d, d_v):  # the next kernel up, on zero-padded copies
         grads = backward(
             *_padded((q, k, v, out, dout), kd, kdv), lse, softmax_scale, causal, dlse=dlse,
             deterministic=deterministic, version=version, window_size=window_size, softcap=softcap,
             learnable_sink=learnable_sink,
         )  # fmt: skip
-        return _unpadded(grads, d, dv)
+        return _unpadded(grads, d, d_v)
     version = DEFAULT_VERSION if version is None else version
     wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
     if wide and version != 2:
@@ -816,19 +815,16 @@ def backward(
     # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;
     # otherwise per q head, summed below. Each key row is written by the CTA that owns it.
     atomic = version == 2 and not mha and not deterministic and not wide
-    dkv_heads = kv_heads if atomic else heads
-    dkv_dtype = q.dtype if mha and not atomic else torch.float32
-    dk, dv_ = (torch.empty(batch, seqlen_k, dkv_heads, n, device=q.device, dtype=dkv_dtype) for n in (d, dv))
-    if atomic:  # sums
-        dk.zero_()
-        dv_.zero_()
+    alloc = torch.zeros if atomic else torch.empty  # (sums start at 0)
+    dkv_heads, dkv_dtype = (kv_heads if atomic else heads), (q.dtype if mha else torch.float32)
+    dk, dv = (alloc(batch, seqlen_k, dkv_heads, n, device=q.device, dtype=dkv_dtype) for n in (d, d_v))
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
     rotate = not wide and rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
     writer = DQ_WRITER_WARP and bool(deterministic) and version == 2 and not wide
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
-    key = key + (rotate, dq_unscaled, dq_fragments, dv, writer)
+    key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = compile_bwd(*key)
@@ -840,21 +836,21 @@ def backward(
             dkv = kv if atomic else h  # dK, dV's heads: kv heads or q heads
             fn(
                 q[b, :, h], k[b, :, kv], v[b, :, kv], dout[b, :, h], lse2[b, h], delta[b, h],
-                dq_acc[b, :, h], dk[b, :, dkv], dv_[b, :, dkv], None if sem is None else sem[b, h],
+                dq_acc[b, :, h], dk[b, :, dkv], dv[b, :, dkv], None if sem is None else sem[b, h],
                 softmax_scale, group, left, right, float(softcap), None, None, 0,
             )  # fmt: skip
     else:
         dk.zero_()
-        dv_.zero_()
+        dv.zero_()
     if not mha and not atomic:
         dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
-        dv_ = dv_.view(batch, seqlen_k, kv_heads, group, dv).sum(3)
+        dv = dv.view(batch, seqlen_k, kv_heads, group, d_v).sum(3)
     scale = softmax_scale if dq_unscaled else None
     if dq_fragments:
         dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale, tile_m)
     else:
         dq = cast_dq(dq_acc, q.dtype, scale)
-    grads = (dq, dk.to(q.dtype), dv_.to(q.dtype))  # (no copy where already q's type)
+    grads = (dq, dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)
     if learnable_sink is None:
         return grads
     from hopper_fmha.backward import sink_gradient
@@ -899,15 +895,15 @@ def backward_varlen(
     total_k, kv_heads = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
     _check_inputs(dtype_name, q, out, dout)
-    dv = v.shape[2]
-    kd, kdv = kernel_head_dims(d, dv)
-    if (kd, kdv) != (d, dv):  # the next kernel up, on zero-padded copies
+    d_v = v.shape[2]
+    kd, kdv = kernel_head_dims(d, d_v)
+    if (kd, kdv) != (d, d_v):  # the next kernel up, on zero-padded copies
         grads = backward_varlen(
             *_padded((q, k, v, out, dout), kd, kdv), lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, softmax_scale, causal, dlse=dlse, deterministic=deterministic,
             window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
         )  # fmt: skip
-        return _unpadded(grads, d, dv)
+        return _unpadded(grads, d, d_v)
     if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
         raise NotImplementedError(
             f"the varlen backward launches one grid: at most {GRID_YZ_MAX} sequences and q heads, "
@@ -943,7 +939,7 @@ def backward_varlen(
     # Zeroed: keys past max_seqlen_k (a max_seqlen_k below the truth) get no CTA.
     dkv_dtype = q.dtype if mha else torch.float32
     dkv_heads = kv_heads if atomic else heads
-    dk, dv_ = (torch.zeros(total_k, dkv_heads, n, device=device, dtype=dkv_dtype) for n in (d, dv))
+    dk, dv = (torch.zeros(total_k, dkv_heads, n, device=device, dtype=dkv_dtype) for n in (d, d_v))
     sem = None
     if deterministic:
         # A counter per query block of any sequence: sized by total_q, not max_seqlen_q, so that a
@@ -958,7 +954,7 @@ def backward_varlen(
         not wide and rotates(deterministic, 2, causal, left, right, max_seqlen_k, device),
         dq_unscaled,
         False,  # dq_fragments: dense only
-        dv,
+        d_v,
         DQ_WRITER_WARP and bool(deterministic) and not wide,
     )
     fn = _compiled.get(key)
@@ -966,16 +962,16 @@ def backward_varlen(
         fn = _compiled[key] = compile_bwd(*key)
     if total_k > 0 and total_q > 0 and batch > 0 and max_seqlen_k > 0:
         fn(
-            q[None], k[None], v[None], dout[None], lse2[None], delta[None], dq_acc[None], dk[None], dv_[None],
+            q[None], k[None], v[None], dout[None], lse2[None], delta[None], dq_acc[None], dk[None], dv[None],
             sem, softmax_scale, group, left, right, float(softcap), cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
         )  # fmt: skip
     if not mha and not atomic:
         dk = dk.view(total_k, kv_heads, group, d).sum(2)
-        dv_ = dv_.view(total_k, kv_heads, group, dv).sum(2)
+        dv = dv.view(total_k, kv_heads, group, d_v).sum(2)
     grads = (
         cast_dq(dq_acc[padded], q.dtype, softmax_scale if dq_unscaled else None),
         dk.to(q.dtype),
-        dv_.to(q.dtype),
+        dv.to(q.dtype),
     )
     if learnable_sink is None:
         return grads
