@@ -205,8 +205,8 @@ def test_launch_matches_the_kernel_signature(kernels):
             False,
             T64,
             False,
-            False,
-            False,
+            sm90_bwd.tile_switch(sm90_bwd.DQ_SCALE_AT_CAST, T64),
+            sm90_bwd.tile_switch(sm90_bwd.DQ_FRAGMENTS, T64),
             64,
             False,
         )
@@ -663,7 +663,10 @@ def test_other_head_dims_run_the_next_kernel_on_padded_copies(kernels, d, dv, ke
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
 
 
-def test_head_dims_past_128_are_refused(kernels):
+def test_head_dims_past_128_are_refused(kernels, monkeypatch):
+    import hopper_fmha.backward as host
+
+    monkeypatch.setattr(host, "WIDE_BACKWARD", False)  # the switch off: refused, rule named
     q = torch.zeros(1, 8, 2, 192, dtype=torch.bfloat16)
     v = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="head dims up to 128.*head_dim 192, head_dim_v 128"):
@@ -672,7 +675,7 @@ def test_head_dims_past_128_are_refused(kernels):
 
 @pytest.fixture
 def wide(monkeypatch):
-    """The d256 kernel on (`backward.WIDE_BACKWARD`, off by default until the GPU tier runs it)."""
+    """The wide kernel on (`backward.WIDE_BACKWARD`, on by default since session 27; pinned here)."""
     import hopper_fmha.backward as host
 
     monkeypatch.setattr(host, "WIDE_BACKWARD", True)

@@ -423,7 +423,7 @@ def test_grid_limits_large_batch_and_heads(hopper_gpu, variant, causal, axis, si
     assert_close_to_reference(q, k, v, config.default_softmax_scale(64), causal, out, lse)
 
 
-def test_inputs_requiring_grad(hopper_gpu):
+def test_inputs_requiring_grad(hopper_gpu, monkeypatch):
     # The backward is on by default: a call it serves returns an output with a grad_fn (the same
     # forward, checked against the reference) whose gradient runs; one it does not serve (d96)
     # raises NotImplementedError naming the rule. The gradients' values:
@@ -448,6 +448,7 @@ def test_inputs_requiring_grad(hopper_gpu):
         with torch.inference_mode():
             assert torch.equal(hopper_fmha.flash_attn_func(**args), expected)
     q, k, v = make_inputs(1, 64, 64, 2, 2, 192, torch.float16, seed=3)
+    monkeypatch.setattr(hopper_fmha.backward, "WIDE_BACKWARD", False)  # the wide kernel off: refused
     with pytest.raises(NotImplementedError, match=r"head dims up to 128.*got head_dim 192"):
         hopper_fmha.flash_attn_func(q.requires_grad_(), k, v)
 

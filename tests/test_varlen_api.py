@@ -260,7 +260,8 @@ def test_gradients_through_the_varlen_op(cpu_kernel, cpu_backward, causal, windo
         torch.testing.assert_close(sink_t.grad.double(), ref[3], rtol=1e-3, atol=1e-3)
 
 
-def test_varlen_backward_refuses_what_it_does_not_serve(cpu_kernel):
+def test_varlen_backward_refuses_what_it_does_not_serve(cpu_kernel, monkeypatch):
+    monkeypatch.setattr(interface.backward, "WIDE_BACKWARD", False)  # d192: refused with it off
     q, k, v, cu_q, cu_k, max_q, max_k = packed()
     used = torch.tensor([5, 0, 10, 0, 9], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="does not support seqused_k"):

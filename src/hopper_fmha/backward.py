@@ -18,8 +18,8 @@ reduces from the kernel's row sums: `sink_gradient`; windows and softcap are the
 seqused_k). Other head dims are refused before the forward runs, with the rule named.
 
 Head dims past 128 (up to 256): the wide kernel `kernels/sm90_bwd_wide.py` at (192, 128) and
-(256, 256), the others on zero-padded copies, built in session 26 without a GPU and off
-(`WIDE_BACKWARD`) until `tests/test_gpu_backward.py -k wide` has passed on one.
+(256, 256), the others on zero-padded copies (`WIDE_BACKWARD`; built in session 26, its GPU tests
+passed in session 27 on an H100).
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ import torch
 
 HEAD_DIMS = (64, 128)  # = kernels.sm90_bwd.HEAD_DIMS (that module needs the CuTe DSL to import)
 # Head dims past 128: the wide kernel (`kernels.sm90_bwd_wide`) at (head_dim, head_dim_v) = (192, 128)
-# and (256, 256) (= its SHAPES), the others in (128, 256] on zero-padded copies. Off: built in
-# session 26 without a GPU (compile tier and host stand-ins only); the GPU tests
-# `test_gpu_backward.py -k wide` turn it on for themselves.
-WIDE_BACKWARD = False
+# and (256, 256) (= its SHAPES), the others in (128, 256] on zero-padded copies. False: head dims
+# past 128 are refused (as before session 27, when `test_gpu_backward.py -k wide` first passed).
+WIDE_BACKWARD = True
 WIDE_KERNEL_DIMS = ((192, 128), (256, 256))
 
 

@@ -521,24 +521,34 @@ def compile_bwd(
 _compiled: dict = {}
 # The softmax scale of dQ applied once, as the host casts dQacc to dQ (one fused multiply-and-cast,
 # `cast_dq`), instead of on every step's part before it is added: ncu (v25, d128 tile 80) counted
-# those multiplies as 35 M of the kernel's 488 M instructions, which FA4's (408 M) does not have;
-# the kernel issues about one warp-instruction per scheduler every 4 cycles in both. Off: built in
-# session 25 without a GPU (compile tier only). Part of the compile key (`_compiled`).
-DQ_SCALE_AT_CAST = False
+# those multiplies as 35 M of the kernel's 488 M instructions, which FA4's (408 M) does not have.
+# The query tiles where it is on (True: every tile; dense and varlen). v27 (H100, bf16 B4 N4096,
+# `bwd_profile`): d128 tile 80 530 -> 538 TFLOP/s, causal tile 64 428 -> 446; d64 tile 128 438 -> 426
+# (off there). Part of the compile key (`_compiled`).
+DQ_SCALE_AT_CAST = (64, 80)
 # dQ in the accumulator's own order (dense): each warpgroup stages its part of a query block's dQ
 # as 16-byte stores of 4 consecutive accumulator values (the swizzled TMA buffer takes them one or
 # two 4-byte stores each; tile 80 transposed: ncu v25, 34 M STS against FA4's 8.5 M STS.128) and
 # adds it by one 1-D bulk reduce-add into a dQacc laid out per (batch, head) and block, which
-# `dq_from_fragments` puts back in order for the cast. Every query tile of the dense kernel (80:
-# d128 non-causal; 64: causal, windows, softcap; 128: d64). Off: built in sessions 25 (tile 80)
-# and 26 (the others) without a GPU (compile tier and host only). Part of the compile key.
-DQ_FRAGMENTS = False
+# `dq_from_fragments` puts back in order for the cast. Built for every query tile of the dense
+# kernel (80: d128 non-causal; 64: causal, windows, softcap; 128: d64); on at these (True: all).
+# v27 (H100, bf16 B4 N4096, `bwd_profile`): d64 tile 128 438 -> 469 TFLOP/s; d128 tile 80 530 -> 529,
+# causal tile 64 428 -> 435, deterministic tile 80 (no writer warp) 355 -> 330. Part of the compile key.
+DQ_FRAGMENTS = (128,)
+
+
+def tile_switch(switch, tile_m: int) -> bool:
+    """Whether a per-query-tile switch (`DQ_SCALE_AT_CAST`, `DQ_FRAGMENTS`: a tuple of tiles, or
+    True / False for all / none) is on at `tile_m`."""
+    if isinstance(switch, bool):
+        return switch
+    return tile_m in switch
 # Deterministic mode: a warp of the producer warpgroup waits for the CTA's turn at each query block,
 # adds both consumer warpgroups' dQ parts and passes the turn (FA4's dQ writer warp); the consumers
-# only stage dQ, so a late turn costs them nothing until their next block's staging. The deterministic
-# backward runs at 68-74% of the plain one (v25 presets; target 85%). Off: built in session 26 without
-# a GPU (compile tier and host only). Part of the compile key.
-DQ_WRITER_WARP = False
+# only stage dQ, so a late turn costs them nothing until their next block's staging. v27 (H100, bf16
+# B4 N4096, `bwd_profile`, off -> on): d128 355 -> 474 TFLOP/s, d128 causal 286 -> 380, d64 causal
+# 268 -> 369 (the plain backward: 530, 430). Part of the compile key.
+DQ_WRITER_WARP = True
 
 
 def fragment_dims(tile_m: int, head_dim: int):
@@ -803,7 +813,8 @@ def backward(
     tile_m = query_tile(version, d, bool(softcap), causal or left >= 0 or right >= 0)
     delta, lse2 = row_stats(out, dout, lse, dlse, tile_m)
     # The kernel and the host below agree on these two (both in the compile key).
-    dq_unscaled, dq_fragments = DQ_SCALE_AT_CAST, DQ_FRAGMENTS and version == 2 and not wide
+    dq_unscaled = tile_switch(DQ_SCALE_AT_CAST, tile_m)
+    dq_fragments = tile_switch(DQ_FRAGMENTS, tile_m) and version == 2 and not wide
     if dq_fragments:  # per (batch, head), whole blocks: each block's fragments contiguous
         blocks = -(-seqlen_q // tile_m)
         frag = torch.zeros(batch, heads, blocks * tile_m, d, device=q.device, dtype=torch.float32)
@@ -945,7 +956,7 @@ def backward_varlen(
         # A counter per query block of any sequence: sized by total_q, not max_seqlen_q, so that a
         # max_seqlen_q below the truth (unchecked under graph capture) cannot index past them.
         sem = torch.zeros(batch, heads, max(1, -(-total_q // tile_m)), device=device, dtype=torch.int32)
-    dq_unscaled = DQ_SCALE_AT_CAST  # the kernel and the cast below agree on it
+    dq_unscaled = tile_switch(DQ_SCALE_AT_CAST, tile_m)  # the kernel and the cast below agree on it
     key = (dtype_name, d, bool(causal), bool(deterministic), 2, mha, atomic, left >= 0, right >= 0)
     key = key + (
         bool(softcap),
