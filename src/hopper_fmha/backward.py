@@ -10,8 +10,8 @@ Status: verified on an H200 GPU on 2026-11-25 (`tests/test_gpu_backward.py`: bot
 seqlen grid, autograd through `flash_attn_func`, bitwise-reproducible deterministic mode, batch and
 heads past 65535, torch.compile(fullgraph=True)), and on by default.
 
-What the kernel serves: fp16/bf16, head dims up to 128 (64 and 128 natively, the others on
-zero-padded copies, v's may differ), causal or not, MHA/GQA/MQA,
+What the kernel serves: fp16/bf16, head dims up to 256 (64, 128, 192/128 and 256 natively, the
+others on zero-padded copies, v's may differ), causal or not, MHA/GQA/MQA,
 deterministic or not, sliding windows, softcap and the learnable sink (whose gradient the host
 reduces from the kernel's row sums: `sink_gradient`; windows and softcap are the kernel's).
 `flash_attn_varlen_func` has the same backward through `hopper_fmha::varlen_bwd` (without

@@ -78,8 +78,8 @@ def flash_attn_func(
     RuntimeError when the tensors are not on one CUDA device of compute capability 9.x.
 
     Gradients: in grad mode with an input that requires grad, the output has a grad_fn (the
-    backward kernel, `hopper_fmha.backward`: head dims up to 128 (past 128 once its wide kernel is
-    on, `backward.WIDE_BACKWARD`), causal or not, MHA/GQA/MQA, windows,
+    backward kernel, `hopper_fmha.backward`: head dims up to 256 (past 128 on its wide kernel,
+    `backward.WIDE_BACKWARD`), causal or not, MHA/GQA/MQA, windows,
     softcap and the learnable sink (which gets a gradient too); a differentiable call it does not
     serve raises NotImplementedError before the forward runs).
     """
