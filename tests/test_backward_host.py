@@ -303,7 +303,7 @@ def test_dq_fragments(kernels, monkeypatch, kv_heads, deterministic, unscaled, d
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dq_writer_warp_only_where_deterministic(kernels, monkeypatch, causal):
     # `DQ_WRITER_WARP` (compile-key element 16): deterministic calls of the v2 kernel ask for the
-    # writer warp; atomic ones and the wide kernel do not. Gradients as before.
+    # writer warp (the wide kernel's too, since session 27); atomic ones do not. Gradients as before.
     import hopper_fmha.backward as host
 
     launches, keys = kernels
@@ -322,7 +322,7 @@ def test_dq_writer_warp_only_where_deterministic(kernels, monkeypatch, causal):
     monkeypatch.setattr(host, "WIDE_BACKWARD", True)
     wide = [torch.nn.functional.pad(t, (0, 128)) for t in (q, k, v, out, dout)]
     sm90_bwd.backward(*wide, lse, 0.1, causal, deterministic=True)
-    assert keys[-1][1] == 256 and keys[-1][16] is False  # the wide kernel waits for turns itself
+    assert keys[-1][1] == 256 and keys[-1][16] is True
 
 
 def test_varlen_dq_writer_warp(varlen_kernels, monkeypatch):

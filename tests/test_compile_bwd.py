@@ -380,24 +380,27 @@ def test_wide_kernel_compiles_without_spills(cfg, dims):
 
 
 WRITER_CASES = {
-    # (d, causal, tile_m, rotate, fragments, varlen)
-    "d128-tile80": (128, False, 80, False, False, False),
-    "d128-causal-tile64": (128, True, 64, False, False, False),
-    "d64-tile128": (64, False, 128, False, False, False),
-    "d128-tile80-rotated-fragments": (128, False, 80, True, True, False),
-    "d128-causal-varlen": (128, True, 64, False, False, True),
+    # (d, causal, tile_m, rotate, fragments, varlen, dv)
+    "d128-tile80": (128, False, 80, False, False, False, None),
+    "d128-causal-tile64": (128, True, 64, False, False, False, None),
+    "d64-tile128": (64, False, 128, False, False, False, None),
+    "d128-tile80-rotated-fragments": (128, False, 80, True, True, False, None),
+    "d128-causal-varlen": (128, True, 64, False, False, True, None),
+    # the wide kernel (`sm90_bwd_wide`, since session 27): the same hand-over
+    "wide-d256": (256, False, 64, False, False, False, None),
+    "wide-d192-dv128-causal": (192, True, 64, False, False, False, 128),
 }
 
 
 @pytest.mark.parametrize("case", list(WRITER_CASES))
 def test_dq_writer_warp_compiles(case):
-    # `sm90_bwd.DQ_WRITER_WARP` (deterministic; off by default, session 26, not yet run on a GPU):
+    # `sm90_bwd.DQ_WRITER_WARP` (deterministic; on since session 27):
     # the consumers hand their staged dQ to the writer warp by a barrier arrive (BAR.ARV) and wait
     # for the buffers by a barrier sync, and no longer sync their warpgroup around the staging
     # (3 of the plain kernel's BAR.SYNC go); the writer issues both warpgroups' adds.
-    d, causal, tile_m, rotate, fragments, varlen = WRITER_CASES[case]
+    d, causal, tile_m, rotate, fragments, varlen, dv = WRITER_CASES[case]
     key = ("bfloat16", d, causal, True, 2, not varlen, False, False, False, False, varlen, tile_m, rotate)
-    key = key + (False, fragments, None)
+    key = key + (False, fragments, dv)
     plain, writer = bwd_cubin(*key, False), bwd_cubin(*key, True)
     texts = [sass_or_skip(c) for c in (plain, writer)]
     assert "BAR.ARV" not in texts[0] and texts[1].count("BAR.ARV") >= 2

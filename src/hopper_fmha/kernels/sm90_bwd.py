@@ -489,13 +489,11 @@ def compile_bwd(
     if version == 2 and head_dim > HEAD_DIMS[-1]:
         from .sm90_bwd_wide import BwdWideSm90
 
-        assert not (dkv_atomic or rotate or dq_fragments or dq_writer), (
-            "wide: dK, dV per q head, no rotation, no fragments or writer warp"
-        )
+        assert not (dkv_atomic or rotate or dq_fragments), "wide: dK, dV per q head, no rotation, no fragments"
         assert tile_m == TILE, "the wide kernel steps 64 queries"
         kernel = BwdWideSm90(
             dtype, head_dim, head_dim_v, causal, deterministic, window_left, window_right, softcap, varlen,
-            dq_unscaled,
+            dq_unscaled, dq_writer,
         )  # fmt: skip
     elif version == 2:
         from .sm90_bwd_ws import BwdWsSm90
@@ -833,7 +831,7 @@ def backward(
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
     rotate = not wide and rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
-    writer = DQ_WRITER_WARP and bool(deterministic) and version == 2 and not wide
+    writer = DQ_WRITER_WARP and bool(deterministic) and version == 2
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
     key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer)
     fn = _compiled.get(key)
@@ -966,7 +964,7 @@ def backward_varlen(
         dq_unscaled,
         False,  # dq_fragments: dense only
         d_v,
-        DQ_WRITER_WARP and bool(deterministic) and not wide,
+        DQ_WRITER_WARP and bool(deterministic),
     )
     fn = _compiled.get(key)
     if fn is None:

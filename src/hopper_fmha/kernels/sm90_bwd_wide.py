@@ -29,7 +29,8 @@ m have read them (`BARRIER_PDS_FREE`).
 
 dK and dV leave from registers (the accumulators' (d, key) pairs: 2-byte stores in the inputs'
 type with MHA, fp32 per q head otherwise, which the host sums per kv head); no atomic GQA sums and
-no rotated deterministic walk. Everything else (arguments, layouts, host side) is `sm90_bwd_ws`'s,
+no rotated deterministic walk (deterministic: the turns and dQ's adds by `sm90_bwd_ws`'s writer
+warp, `dq_writer`, since session 27). Everything else (arguments, layouts, host side) is `sm90_bwd_ws`'s,
 with v, dO and dV of head dim head_dim_v.
 """
 
@@ -104,6 +105,7 @@ class BwdWideSm90(BwdWsSm90):
         softcap: bool = False,
         varlen: bool = False,
         dq_unscaled: bool = False,
+        dq_writer: bool = False,
     ):
         assert (head_dim, head_dim_v) in SHAPES, f"the wide backward kernel takes {list(SHAPES)}"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -134,7 +136,10 @@ class BwdWideSm90(BwdWsSm90):
         self.descending = causal or window_right
         self.rotate = False
         self.dkv_tma = False
-        self.dq_writer = False
+        # Deterministic: the turns and dQ's adds by the producer warpgroup's second warp, as
+        # `sm90_bwd_ws` (`write_dq`; the walk is the plain one here, `walk_block` = i).
+        assert not dq_writer or deterministic, "dq_writer: deterministic mode"
+        self.dq_writer = dq_writer
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -241,7 +246,7 @@ class BwdWideSm90(BwdWsSm90):
             gemm(
                 tiled_mma_s, acc_dP, tPrdO[None, None, None, do_state.index], tPrV, zero_init=True, wg_wait=-1
             )
-            if const_expr(self.deterministic):
+            if const_expr(self.deterministic and not self.dq_writer):
                 if held >= 0:
                     self.release_turn(mSem, held, head, batch, tidx)
             masked = mask.tile_needs_mask(m_block, n_block, seqlen)
@@ -286,27 +291,23 @@ class BwdWideSm90(BwdWsSm90):
             do_state.advance()
 
             self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min)
-            if const_expr(self.deterministic):
-                self.wait_turn(
-                    mSem,
-                    m_block,
-                    head,
-                    batch,
-                    self.dq_turn(mask, seqlen, m_block, n_block, m_min, None),
-                    tidx,
-                )
-            self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
-            if const_expr(self.deterministic):
-                held = m_block
+            if const_expr(not self.dq_writer):  # (else the writer warp adds it, `write_dq`)
+                if const_expr(self.deterministic):
+                    turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, None)
+                    self.wait_turn(mSem, m_block, head, batch, turn, tidx)
+                self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
+                if const_expr(self.deterministic):
+                    held = m_block
             warpgroup.wait_group(0)  # dK^T done: Q's stage goes back to the producer
             pipe_q.consumer_release(q_state)
             q_state.advance()
 
-        if const_expr(self.deterministic):
+        if const_expr(self.deterministic and not self.dq_writer):
             if held >= 0:
                 self.release_turn(mSem, held, head, batch, tidx)
-        if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(not self.dq_writer):  # (else the writer warp waits for its own)
+            if tidx % WARPGROUP < 32:  # the last reduce-add has read its buffer
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkdv_t(acc_dK, acc_dV, thr_kv, mdK, mdV, softmax_scale, n0, head, batch, seqlen)
 
     @cute.jit
