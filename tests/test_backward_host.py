@@ -131,21 +131,9 @@ def binding_checked(key, kernel):
     return run
 
 
-@pytest.fixture
-def kernels(monkeypatch):
-    launches = []
-    monkeypatch.setattr(sm90_bwd, "_compiled", {})
-    keys = []
-
-    def compile_bwd(*key):
-        keys.append(key)
-        # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
-        # tile_m, rotate, dq_unscaled, dq_fragments, dv, dq_writer)
-        assert key[10] is False
-        kernel = dense_kernel(launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11])
-        return binding_checked(key, kernel)
-
-    monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
+def stub_preprocess(monkeypatch):
+    """`bwd_preprocess`'s kernel (D, LSE log2 e; the dense and, since session 27, the varlen host
+    call it) in torch on the CPU."""
     monkeypatch.setattr(bwd_preprocess, "_compiled", {})
 
     def compile_preprocess(dtype_name, dv, with_dlse):
@@ -162,6 +150,24 @@ def kernels(monkeypatch):
         return run
 
     monkeypatch.setattr(bwd_preprocess, "compile_preprocess", compile_preprocess)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    launches = []
+    monkeypatch.setattr(sm90_bwd, "_compiled", {})
+    keys = []
+
+    def compile_bwd(*key):
+        keys.append(key)
+        # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
+        # tile_m, rotate, dq_unscaled, dq_fragments, dv, dq_writer)
+        assert key[10] is False
+        kernel = dense_kernel(launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11])
+        return binding_checked(key, kernel)
+
+    monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
+    stub_preprocess(monkeypatch)
     return launches, keys
 
 
@@ -532,6 +538,7 @@ def varlen_kernels(monkeypatch):
         )
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
+    stub_preprocess(monkeypatch)
     return launches, keys
 
 
