@@ -489,7 +489,7 @@ def compile_bwd(
     if version == 2 and head_dim > HEAD_DIMS[-1]:
         from .sm90_bwd_wide import BwdWideSm90
 
-        assert not (dkv_atomic or rotate or dq_fragments), "wide: dK, dV per q head, no rotation, no fragments"
+        assert not (dkv_atomic or rotate or dq_fragments), "wide: dK, dV per q head; no rotation, fragments"
         assert tile_m == TILE, "the wide kernel steps 64 queries"
         kernel = BwdWideSm90(
             dtype, head_dim, head_dim_v, causal, deterministic, window_left, window_right, softcap, varlen,
@@ -541,6 +541,8 @@ def tile_switch(switch, tile_m: int) -> bool:
     if isinstance(switch, bool):
         return switch
     return tile_m in switch
+
+
 # Deterministic mode: a warp of the producer warpgroup waits for the CTA's turn at each query block,
 # adds both consumer warpgroups' dQ parts and passes the turn (FA4's dQ writer warp); the consumers
 # only stage dQ, so a late turn costs them nothing until their next block's staging. v27 (H100, bf16
@@ -935,7 +937,8 @@ def backward_varlen(
     # D = 0 and no LSE (no sink weight below).
     lse = lse.float()
     if total_q:
-        d_rows, l2_rows = row_stats(out[None], dout[None], lse[None], None if dlse is None else dlse[None], tile_m)
+        dlse_rows = None if dlse is None else dlse[None]
+        d_rows, l2_rows = row_stats(out[None], dout[None], lse[None], dlse_rows, tile_m)
         d_rows, l2_rows = d_rows[0, :, :total_q], l2_rows[0, :, :total_q]
     else:
         d_rows = l2_rows = lse
