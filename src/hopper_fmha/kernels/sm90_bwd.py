@@ -923,17 +923,18 @@ def backward_varlen(
     left, right = _window_sides(window_size, causal)
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))
     device = q.device
+    # Each packed row's place in the padded buffers: its sequence's padded start + its row in it.
     tile_m = query_tile(2, d, bool(softcap), causal or left >= 0 or right >= 0)
+    rows = torch.arange(total_q, device=device)
+    seq = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True).clamp_(max=batch - 1)
+    cu = cu_seqlens_q.long()
+    padded = padded_starts(cu, tile_m)[seq] + rows - cu[seq]
     total_pad = -(-(total_q + tile_m * batch) // TILE) * TILE  # (LSE, D's head stride: 64 | it)
-    group = heads // kv_heads
-    mha = group == 1
-    wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
-    atomic = not mha and not deterministic and not wide
-    # The device's work first (the preprocess kernel, the zeroed buffers), the index math after, so
-    # that the device runs the former while the host issues the latter's small ops (v27: before,
-    # the GPU sat idle through ~25 of them, ~1.6 ms of an 18 ms backward at H32, 24 sequences).
     # D and LSE log2 e of the packed rows by the preprocess kernel (the packed batch seen as one
-    # sequence: `row_stats`; v26's torch D took 2.8 ms of that backward), scattered below.
+    # sequence: `row_stats`; v26's torch D took 2.8 ms of an 18 ms backward, H32 24 sequences),
+    # then scattered into the padded layout. Rows past the last sequence (cu_seqlens_q[-1] <=
+    # total_q) were never written by the forward: their out and lse may hold anything, so they get
+    # D = 0 and no LSE (no sink weight below).
     lse = lse.float()
     if total_q:
         dlse_rows = None if dlse is None else dlse[None]
@@ -941,7 +942,17 @@ def backward_varlen(
         d_rows, l2_rows = d_rows[0, :, :total_q], l2_rows[0, :, :total_q]
     else:
         d_rows = l2_rows = lse
+    in_sequence = rows < cu_seqlens_q[-1]
+    delta_rows = torch.where(in_sequence, d_rows, 0.0)  # (h, total_q)
+    delta = torch.zeros(heads, total_pad, device=device, dtype=torch.float32)
+    lse2 = torch.full((heads, total_pad), float("inf"), device=device, dtype=torch.float32)
+    delta[:, padded] = delta_rows
+    lse2[:, padded] = torch.where(in_sequence, l2_rows, float("inf"))
     dq_acc = torch.zeros(total_pad, heads, d, device=device, dtype=torch.float32)
+    group = heads // kv_heads
+    mha = group == 1
+    wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
+    atomic = not mha and not deterministic and not wide
     # Zeroed: keys past max_seqlen_k (a max_seqlen_k below the truth) get no CTA.
     dkv_dtype = q.dtype if mha else torch.float32
     dkv_heads = kv_heads if atomic else heads
@@ -951,19 +962,6 @@ def backward_varlen(
         # A counter per query block of any sequence: sized by total_q, not max_seqlen_q, so that a
         # max_seqlen_q below the truth (unchecked under graph capture) cannot index past them.
         sem = torch.zeros(batch, heads, max(1, -(-total_q // tile_m)), device=device, dtype=torch.int32)
-    # Each packed row's place in the padded buffers: its sequence's padded start + its row in it.
-    rows = torch.arange(total_q, device=device)
-    seq = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True).clamp_(max=batch - 1)
-    cu = cu_seqlens_q.long()
-    padded = padded_starts(cu, tile_m)[seq] + rows - cu[seq]
-    # Rows past the last sequence (cu_seqlens_q[-1] <= total_q) were never written by the forward:
-    # their out and lse may hold anything, so they get D = 0 and no LSE (no sink weight below).
-    in_sequence = rows < cu_seqlens_q[-1]
-    delta_rows = torch.where(in_sequence, d_rows, 0.0)  # (h, total_q)
-    delta = torch.zeros(heads, total_pad, device=device, dtype=torch.float32)
-    lse2 = torch.full((heads, total_pad), float("inf"), device=device, dtype=torch.float32)
-    delta[:, padded] = delta_rows
-    lse2[:, padded] = torch.where(in_sequence, l2_rows, float("inf"))
     dq_unscaled = tile_switch(DQ_SCALE_AT_CAST, tile_m)  # the kernel and the cast below agree on it
     key = (dtype_name, d, bool(causal), bool(deterministic), 2, mha, atomic, left >= 0, right >= 0)
     key = key + (
