@@ -7,7 +7,7 @@ runs one call only, for `ncu --kernel-name regex:BwdWsSm90`.
     python scripts/bwd_profile.py --d 64 --heads 32 --versions 2 --tile-m 64 128  # d64's query tile
     python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --tile-m 64 80  # d128's
     python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --tile-m 64 80 --dkv-tma  # dK, dV stores
-    python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide  # the wide kernel (off by default)
+    python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide  # the wide kernel (past 128)
     python scripts/bwd_profile.py --d 192 --dv 128 --heads 16 --versions 2 --wide  # DeepSeek's shape
 """
 

@@ -1,5 +1,6 @@
-# The GPU checks owed by changes built without a GPU (NOTES.md "v25", "v26"), in two device calls
-# of under 10 minutes each. On the GPU machine, from the project root:
+# The GPU checks owed by changes built without a GPU (NOTES.md "v25", "v26"; run in session 27,
+# results in bench/results/2026-11-27-h100-v27/probes; the switches are on by default since), in two
+# device calls of under 10 minutes each. On the GPU machine, from the project root:
 #
 #     source .gpu/activate.sh && OUT=$OUT bash scripts/gpu_pending.sh 1    # then ... 2
 #

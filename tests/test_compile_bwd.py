@@ -291,7 +291,7 @@ def test_d128_query_tile_80_compiles(cfg):
     ids=["v2-d128-80", "v2-d64-128", "v2-d128-64-causal", "v1-d128"],
 )
 def test_dq_unscaled_drops_the_per_step_multiplies(d, causal, version, mha, tile_m):
-    # `sm90_bwd.DQ_SCALE_AT_CAST` (off by default; session 25, not yet run on a GPU): the kernel
+    # `sm90_bwd.DQ_SCALE_AT_CAST` (on at query tiles 64 and 80 since session 27): the kernel
     # adds dS K into dQacc unscaled (the host scales as it casts), so each thread's dQ part loses
     # one FMUL per value: tile_m x d / 2 per warpgroup of 128 threads (v2), 64 x d / 128 (v1);
     # the stack does not grow.
@@ -315,7 +315,7 @@ FRAGMENT_CASES = {
 @pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "deterministic"])
 @pytest.mark.parametrize("case", list(FRAGMENT_CASES))
 def test_dq_fragments_stage_in_16_byte_stores(case, deterministic):
-    # `sm90_bwd.DQ_FRAGMENTS` (off by default; sessions 25-26, not yet run on a GPU): each
+    # `sm90_bwd.DQ_FRAGMENTS` (on at query tile 128 since session 27): each
     # warpgroup's dQ part leaves as 16-byte stores (4 accumulator values each) and one 1-D bulk
     # reduce-add (UBLKRED), in place of 4- and 8-byte stores into the swizzled buffer and a TMA
     # reduce-add; the staging's address registers go, and with them the spills of tiles 80, 128.
@@ -331,9 +331,10 @@ def test_dq_fragments_stage_in_16_byte_stores(case, deterministic):
         assert stack_bytes(plain) == stack
 
 
-# The wide kernel (`kernels/sm90_bwd_wide.py`; `backward.WIDE_BACKWARD`, off until the GPU tier
-# has run it): dK^T and dV^T with d as WGMMA's M, P and dS through shared memory; (256, 256) 48 keys
-# per CTA, the warpgroups splitting d; (192, 128) 96 keys, the warpgroups splitting them.
+# The wide kernel (`kernels/sm90_bwd_wide.py`; `backward.WIDE_BACKWARD`, on since its GPU tests
+# passed in session 27): dK^T and dV^T with d as WGMMA's M, P and dS through shared memory;
+# (256, 256) 48 keys per CTA, the warpgroups splitting d; (192, 128) 96 keys, the warpgroups
+# splitting them.
 WIDE_CONFIGS = {
     "full": dict(causal=False),
     "causal-mha": dict(causal=True, mha=True),

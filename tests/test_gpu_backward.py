@@ -345,10 +345,10 @@ def test_dkv_by_tma(hopper_gpu, monkeypatch, dtype, deterministic, case, seqlens
         check_repeats_bitwise(ours, out, (q, k, v), dout)
 
 
-# dQacc without the softmax scale, which the host applies as it casts dQ
-# (`sm90_bwd.DQ_SCALE_AT_CAST`, off by default; session 25, not yet run): both kernel versions,
-# every query tile of v2 (d128 64 causal / 80, d64 128), MHA/GQA/MQA; autograd with deterministic
-# mode (bitwise repeats); varlen (its padded-rows dQacc).
+# dQacc without the softmax scale, which the host applies as it casts dQ (`sm90_bwd.DQ_SCALE_AT_CAST`:
+# the tests turn it on at every tile; on at 64 and 80 by default): both kernel versions, every
+# query tile of v2 (d128 64 causal / 80, d64 128), MHA/GQA/MQA; autograd with deterministic mode
+# (bitwise repeats); varlen (its padded-rows dQacc).
 DQ_SCALE_CASES = [
     (1, 128, False, "mha"),
     (1, 64, True, "gqa"),
@@ -396,8 +396,8 @@ def test_dq_scale_at_cast_varlen(hopper_gpu, monkeypatch, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, False, 128, case, "gqa")
 
 
-# dQ in fragment order (`sm90_bwd.DQ_FRAGMENTS`, off by default; sessions 25 (tile 80) and 26 (the
-# others), not yet run): 16-byte stores, a 1-D bulk reduce-add, the host's un-permute, at each query
+# dQ in fragment order (`sm90_bwd.DQ_FRAGMENTS`: the tests turn it on at every tile; on at 128 by
+# default): 16-byte stores, a 1-D bulk reduce-add, the host's un-permute, at each query
 # tile (d128 80 and causal 64, d64 128); alone and with `DQ_SCALE_AT_CAST`; MHA/GQA/MQA, tails,
 # deterministic (bitwise repeats), score features, a padded head dim.
 FRAGMENT_TILES = {
@@ -647,7 +647,7 @@ def test_preprocess_kernel_matches_torch(hopper_gpu, dtype, dv, with_dlse):
 
 
 # ---- head dims past 128: the wide kernel (`kernels/sm90_bwd_wide.py`, session 26, (256, 256) and
-# (192, 128); off until these pass on a GPU: `backward.WIDE_BACKWARD`, which the fixture turns on),
+# (192, 128); `backward.WIDE_BACKWARD`, on since these passed in session 27, pinned by the fixture),
 # the others padded to the next of those ----
 
 
@@ -718,7 +718,7 @@ def test_wide_deterministic_is_bitwise_reproducible(hopper_gpu, wide, causal):
     test_deterministic_is_bitwise_reproducible(hopper_gpu, causal, 256)  # 100 repeats
 
 
-# ---- deterministic mode's dQ writer warp (`sm90_bwd.DQ_WRITER_WARP`, session 26, not yet run) ----
+# ---- deterministic mode's dQ writer warp (`sm90_bwd.DQ_WRITER_WARP`, on since session 27) ----
 
 
 @pytest.fixture
