@@ -26,7 +26,12 @@ then the named `KernelConfig` switches (`config.WS_SWITCHES`) changed, e.g. `ws:
 `ws@128x64:num_stages=3,mma_rowsum=1`. Every backend's output on the first input set is checked
 against the fp32 reference by the bench's rule first (`--no-check` skips it).
 
-Problems: `--headdim` (and `--headdim-v`), `--seqlen`, `--causal no|yes|both`, `--dtype`; B = 16384 / N and
+Decode (`--preset decode WORD...`): `kv[:field=value,...]` runs `hopper-fmha:auto` with those
+`KernelKey` fields set over its KV-cache launches (`kernels.KVCACHE_SWITCHES`), e.g.
+`kv:num_stages=3`, `kv:tile_counter=0,schedule=single`.
+
+Problems: `--preset NAME [WORD...]` takes a bench preset's problems (those a WORD matches), or
+`--headdim` (and `--headdim-v`), `--seqlen`, `--causal no|yes|both`, `--dtype`; B = 16384 / N and
 H = 2048 / d unless `--batch` / `--heads` are given, as in the bench's sweep.
 
 On the GPU machine, from the project root:
@@ -127,12 +132,67 @@ def ws_backend(spec: str):
     return Backend(name=spec, label=spec, build=build, ours=True)
 
 
+KV_PREFIX = "kv"
+
+
+def kv_backend(spec: str):
+    """`kv[:name=value,...]`: `hopper-fmha:auto` on decode problems with `kernels.KVCACHE_SWITCHES`
+    set to these KernelKey fields while it is built and captured (`schedule=single|persistent`
+    sets `kernels.SCHEDULE` instead), e.g. `kv:num_stages=3`, `kv:tile_counter=0`."""
+    from hopper_fmha import kernels
+    from hopper_fmha.bench.registry import Backend, get_backend
+    from hopper_fmha.kernels.cache import KernelKey
+
+    head, _, items = spec.partition(":")
+    if head != KV_PREFIX:
+        raise ValueError(f"not a kv spec: {spec!r}")
+    switches: dict = {}
+    schedule = None
+    for item in filter(None, items.split(",")):
+        key, eq, value = item.partition("=")
+        if key == "schedule" and value in kernels.SCHEDULES:
+            schedule = value
+            continue
+        if key not in KernelKey._fields or not eq:
+            raise ValueError(f"{spec!r}: {item!r} is not field=value; fields: {', '.join(KernelKey._fields)}")
+        default = KernelKey._field_defaults.get(key)
+        if isinstance(default, bool):
+            if value.lower() not in _TRUE | _FALSE:
+                raise ValueError(f"{spec!r}: {key} takes 0/1, got {value!r}")
+            switches[key] = value.lower() in _TRUE
+        else:
+            switches[key] = int(value)
+    (auto,) = get_backend("hopper-fmha:auto")
+
+    def kvcache(p, *inputs):
+        call = auto.kvcache(p, *inputs)
+
+        def with_switches():
+            saved = kernels.KVCACHE_SWITCHES, kernels.SCHEDULE
+            kernels.KVCACHE_SWITCHES = switches
+            kernels.SCHEDULE = schedule or saved[1]
+            try:
+                return call()
+            finally:
+                kernels.KVCACHE_SWITCHES, kernels.SCHEDULE = saved
+
+        return with_switches
+
+    return Backend(name=spec, label=spec, build=auto.build, ours=True, kvcache=kvcache)
+
+
 def resolve(names: list[str]) -> list:
     from hopper_fmha.bench.registry import get_backend
 
     out = []
     for name in names:
-        out.extend([ws_backend(name)] if name.split("@")[0].split(":")[0] == WS_PREFIX else get_backend(name))
+        prefix = name.split("@")[0].split(":")[0]
+        if prefix == WS_PREFIX:
+            out.append(ws_backend(name))
+        elif prefix == KV_PREFIX:
+            out.append(kv_backend(name))
+        else:
+            out.extend(get_backend(name))
     return out
 
 
@@ -211,8 +271,25 @@ def trace(marks: list, calls: int, window_ms: float) -> str:
     return " ".join(out)
 
 
+def label_match(word: str, label: str) -> bool:
+    """`--preset`'s WORD against a problem label: "=LABEL" is the whole label, else every
+    space-separated token of WORD is a token of the label ("B1", "q4 causal", "paged16")."""
+    if word.startswith("="):
+        return label == word[1:]
+    return set(word.split()) <= set(label.split())
+
+
 def problems(args) -> list:
-    from hopper_fmha.bench.presets import custom_problems
+    from hopper_fmha.bench.presets import PRESETS, custom_problems
+
+    if args.preset:
+        name, *words = args.preset
+        found = [
+            p for p in PRESETS[name]().problems if not words or any(label_match(w, p.label()) for w in words)
+        ]
+        if not found:
+            raise SystemExit(f"no problem of preset {name!r} has a label with any of {words}")
+        return found
 
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     out = []
@@ -238,7 +315,7 @@ def run_problem(p, backends, smi: Smi, args) -> None:
     for b in backends:
         try:
             with b.context():
-                fns = [b.build(p, *s) for s in sets]
+                fns = [b.make(p, *s) for s in sets]
                 out = fns[0]()
                 if checker is not None:
                     out = out[0] if isinstance(out, (tuple, list)) else out
@@ -297,6 +374,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=["hopper-fmha:auto", "fa4"],
         help="bench backend names and ws[@MxN][:switch=value,...] specs (default: hopper-fmha:auto fa4)",
+    )
+    ap.add_argument(
+        "--preset",
+        nargs="+",
+        metavar=("NAME", "WORD"),
+        help="the problems of a bench preset (e.g. decode) that any WORD matches (`label_match`; all "
+        "without one), in place of --headdim/--seqlen/...",
     )
     ap.add_argument("--headdim", nargs="+", type=int, default=[64, 128, 256])
     ap.add_argument("--seqlen", nargs="+", type=int, default=[4096])

@@ -302,6 +302,11 @@ def test_cta_pairs_only_where_they_apply():
         assert launch_config(cfg, True, even, exact_lse=False) == dataclasses.replace(
             cfg, cluster_m=1, **causal_switches
         )
+    # d = 192 with dv = 128 runs pingpong causal only; d = 192 with dv = 192 never.
+    d192 = select_config(192, "ws", None, 128)
+    assert not launch_config(d192, False, 4096, exact_lse=False).pingpong
+    assert launch_config(d192, True, 4096, exact_lse=False).pingpong
+    assert not launch_config(select_config(192, "ws"), True, 4096, exact_lse=False).pingpong
     # d = 64 pins GEMM-II's wait and sums rows on the tensor cores non-causal only.
     d64 = select_config(64, "ws")
     assert launch_config(d64, False, 4096, exact_lse=False).pin_pv_wait == 8

@@ -42,6 +42,9 @@ VARLEN_TILE_COUNTER = True
 # one-CTA-per-tile grid the hardware balances): `--preset decode`'s ragged cell 0.89x -> 0.99x.
 KVCACHE_TILE_COUNTER = True
 SCHEDULES = ("auto", "persistent", "single")
+# KernelKey fields a KV-cache launch sets over the table's and the rules above, e.g.
+# {"num_stages": 3}: for measurement (`scripts/decode_probe.py`); empty by default.
+KVCACHE_SWITCHES: dict = {}
 # Persistent CTAs; None: one per SM. Tests set a small number so that every CTA runs many tiles.
 PERSISTENT_CTAS: int | None = None
 # L2 bytes the causal longest-first order may fill with the K and V of the heads it interleaves.
@@ -183,6 +186,8 @@ def kvcache_forward(
         key = key._replace(paged=pages, cluster_m=1, num_stages=stages)
     if KVCACHE_TILE_COUNTER and not causal and cache_seqlens is not None:
         key = key._replace(tile_counter=True, cluster_m=1)
+    if KVCACHE_SWITCHES:
+        key = key._replace(**KVCACHE_SWITCHES)
     fn = get_kernel(key)
     ctas, lpt_group = schedule(q, k_cache, causal)
     if split:
