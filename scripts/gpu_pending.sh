@@ -1,4 +1,4 @@
-# The GPU checks owed by session 28's changes and its questions, in one device call of under 10
+# The GPU checks owed by session 28's changes and its questions, in device calls of under 10
 # minutes. On the GPU machine, from the project root:
 #
 #     source .gpu/activate.sh && OUT=$OUT bash scripts/gpu_pending.sh 1
@@ -35,5 +35,28 @@ if [ "$part" = 1 ]; then
         --preheat 0.5 2>&1 | tee "$OUT/decode.txt" | grep "mean ms"
     timeout 200 python scripts/trace_calls.py --preset backward-features --words "varlen24 bwd" \
         --backends hopper-fmha:auto fa4 2>&1 | tee "$OUT/varlen_bwd_trace.txt"
+    exit 0
+fi
+
+if [ "$part" = 2 ]; then
+    # Tests of the combine's dependent launch (every split), the varlen counter's skip_to.
+    python scripts/gpu_tier.py --out /tmp/pending-tier2 --archive "$OUT/tier2.tar.gz" --procs 14 --budget 240 \
+        --stall 120 tests/test_gpu_combine.py tests/test_gpu_kvcache.py tests/test_gpu_varlen.py::test_varlen_tile_counter \
+        > "$OUT/tier2.log" 2>&1
+    tail -2 "$OUT/tier2.log"
+    grep -h "^FAILED" /tmp/pending-tier2/report*.txt | head -20
+    cells=("=decode B64 L8192 H32/8 d128 bf16 q1" "B1" "q4 causal")
+    kv=(kv:tile_m=64,pingpong=0 kv:tile_m=64,pingpong=0,num_stages=3 kv:tile_m=64,pingpong=0,tile_n=64,num_stages=4)
+    for cell in "${cells[@]}"; do
+        python scripts/sustained.py --preset decode "$cell" --backends "${kv[@]}" --no-check --passes 1 \
+            --seconds 0.01 --settle 0 --preheat 0 > /dev/null 2>&1 &
+    done
+    wait
+    python scripts/sustained.py --preset decode "${cells[@]}" \
+        --backends hopper-fmha:auto "${kv[@]}" fa4 sdpa-cudnn --passes 2 --seconds 0.5 --settle 0.2 \
+        --preheat 0.5 2>&1 | tee "$OUT/decode2.txt" | grep "mean ms\|WRONG\|error"
+    python -m hopper_fmha bench --preset varlen --out "$OUT/varlen" 2>&1 | tail -3
+    python -m hopper_fmha bench --preset features --out "$OUT/features" 2>&1 | tail -3
+    tar czf "$OUT/presets.tar.gz" -C "$OUT" varlen features && rm -rf "$OUT/varlen" "$OUT/features"
     exit 0
 fi

@@ -107,6 +107,10 @@ class CombineSm90:
             # A carveout is given so that compiling asks no device (see sm90_paper._occupancy).
             min_blocks_per_mp=1,
             preferred_smem_carveout=-1,
+            # Programmatic dependent launch: the CTAs may start while the split kernel's last CTAs
+            # run (it lets them go as each of its CTAs runs out of tiles); each waits for that
+            # kernel's completion and memory flush (`griddepcontrol_wait`) before reading.
+            use_pdl=True,
         )
 
     @cute.kernel
@@ -127,6 +131,7 @@ class CombineSm90:
         b = row // seqlen_q // heads
         h = row // seqlen_q % heads
 
+        cute.arch.griddepcontrol_wait()  # the partials are complete from here on
         # 1. Weights and LSE.
         lse_max = -Float32.inf
         for s in cutlass.range(lane, num_splits, self.threads_per_row):

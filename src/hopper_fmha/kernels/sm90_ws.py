@@ -131,7 +131,7 @@ BARRIER_TILE_FULL = 5  # the producer has written the next tile index
 BARRIER_TILE_EMPTY = 6  # every consumer thread has read it
 BARRIER_O_SLOT = 7  # + consumer warpgroup index: that warpgroup's O buffer is written / free (split_o)
 # (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
-REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+REGISTER_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
 
 
 def _minus(count, n_min):
@@ -177,7 +177,7 @@ class WsFwdSm90:
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         assert (head_dim, head_dim_v) in WS_KERNEL_HEAD_DIMS
         assert not (tile_counter and cluster_m > 1), "the tile counter deals tiles to single CTAs"
-        assert tile_m in (128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
+        assert tile_m in (64, 128, 192) and tile_n % 16 == 0 and 16 <= tile_n <= 256
         assert num_stages >= 1
         self.dtype = dtype
         self.head_dim = head_dim
@@ -735,6 +735,10 @@ class WsFwdSm90:
             tile = self.skip_empty(sched, sched.fetch_tile(tile, cta, num_ctas), cta, num_ctas, seqlens)
         sched.announce(tile, announced)  # past the last tile: the consumers stop
         sched.finish(num_ctas)
+        if const_expr(self.split_kv):
+            # No tile left for this CTA: the combine (launched dependent, `combine.py`) may start
+            # its CTAs, which wait for this grid's completion before reading the partials.
+            cute.arch.griddepcontrol_launch_dependents()
         # Stay until the consumers have released every buffer: no arrive lands after exit.
         pipeline_k.producer_tail(k_state)
         pipeline_v.producer_tail(v_state)
@@ -1001,7 +1005,10 @@ class WsFwdSm90:
     def skip_empty(self, sched: TileScheduler, tile: Int32, cta: Int32, num_ctas: Int32, seqlens: tuple):
         """Producer: `tile`, or (varlen) the first tile from it on whose query rows start inside
         their sequence (tiles count up to max_seqlen_q rows; a shorter sequence's last ones are
-        empty and never announced). With CTA pairs, the pair's first tile decides, for both."""
+        empty and never announced). With CTA pairs, the pair's first tile decides, for both.
+        From the tile counter without a longest-first order, an empty tile moves the counter
+        past the rest of its (head, batch)'s tiles, all empty: one fetch per run of empty tiles,
+        not one per tile (a batch of 256-4096 tokens padded to 4096 is 46% empty tiles)."""
         if const_expr(self.varlen):
             num_tiles = sched.num_tiles()
             searching = tile < num_tiles
@@ -1010,6 +1017,11 @@ class WsFwdSm90:
                 seqlen = SeqlenInfo.create(batch, *seqlens)
                 searching = False
                 if (m_block - m_block % self.cluster_m) * self.tile_m >= seqlen.seqlen_q:
+                    if const_expr(sched.dynamic and self.cluster_m == 1 and not self.split_kv):
+                        if sched.lpt_group == 0:
+                            # m_block runs fastest: the tiles up to this (head, batch)'s last are
+                            # empty too. No CTA is to take them (`TileScheduler.skip_to`).
+                            sched.skip_to(tile - m_block + sched.num_m_units(), num_ctas)
                     tile = sched.fetch_tile(tile, cta, num_ctas)
                     searching = tile < num_tiles
         return tile
