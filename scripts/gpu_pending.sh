@@ -60,3 +60,16 @@ if [ "$part" = 2 ]; then
     tar czf "$OUT/presets.tar.gz" -C "$OUT" varlen features && rm -rf "$OUT/varlen" "$OUT/features"
     exit 0
 fi
+
+if [ "$part" = 3 ]; then
+    # kernels.DECODE_TILE_M (one consumer warpgroup for tiles of <= 64 query rows): every KV-cache
+    # and combine test, then the decode preset; the paper preset last, short blocks (a smoke check).
+    python scripts/gpu_tier.py --out /tmp/pending-tier3 --archive "$OUT/tier3.tar.gz" --procs 14 --budget 200 \
+        --stall 120 tests/test_gpu_combine.py tests/test_gpu_kvcache.py > "$OUT/tier3.log" 2>&1
+    tail -2 "$OUT/tier3.log"
+    grep -h "^FAILED" /tmp/pending-tier3/report*.txt | head -20
+    python -m hopper_fmha bench --preset decode --out "$OUT/decode" 2>&1 | tail -2
+    timeout 200 python -m hopper_fmha bench --preset paper --dtype fp16 bf16 --out "$OUT/paper" 2>&1 | tail -2
+    tar czf "$OUT/presets3.tar.gz" -C "$OUT" decode paper && rm -rf "$OUT/decode" "$OUT/paper"
+    exit 0
+fi

@@ -166,3 +166,22 @@ def test_pack_gqa_for_decode(cpu_kernel):
     mha = cache(kv_heads=8)
     flash_attn_with_kvcache(*mha[:3], cache_seqlens=5)
     assert [launch["pack"] for launch in cpu_kernel] == [True, True, False]
+
+
+def test_decode_tiles_take_one_consumer_warpgroup(monkeypatch):
+    """Tiles of at most 64 query rows (seqlen_q x the packed group) run at tile_m 64 without
+    pingpong, O's buffer chosen for that tile; more rows keep the table's tile."""
+    from hopper_fmha import config, kernels
+    from hopper_fmha.kernels.cache import KernelKey
+
+    for d, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
+        cfg = config.launch_config(config.select_config(d, "ws", None, dv), False, 1)
+        key = KernelKey.from_config("bfloat16", False, cfg)._replace(pack_gqa=4, cluster_m=1)
+        small = kernels.decode_tile(key, 64)
+        assert (small.tile_m, small.pingpong, small.cluster_m) == (64, False, 1)
+        assert small.tile_n == key.tile_n and small.num_stages == key.num_stages
+        assert small.split_o == config.ws_split_o(d, 64, key.tile_n, key.num_stages, key.mma_rowsum, dv)
+        assert kernels.decode_tile(key, 65) is key
+        monkeypatch.setattr(kernels, "DECODE_TILE_M", None)
+        assert kernels.decode_tile(key, 1) is key
+        monkeypatch.setattr(kernels, "DECODE_TILE_M", 64)

@@ -24,7 +24,13 @@ import os
 # also right on a CPU-only machine, where it lets the kernels compile for inspection.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from hopper_fmha.config import kernel_head_dims, launch_config, pages_per_block, short_block_stages  # noqa: E402
+from hopper_fmha.config import (  # noqa: E402
+    kernel_head_dims,
+    launch_config,
+    pages_per_block,
+    short_block_stages,
+    ws_split_o,
+)
 
 from . import cache  # noqa: E402
 from .cache import KernelKey, cache_dir, clear_cache, compile_kernel, dsl_flavor, get_kernel  # noqa: E402, F401
@@ -42,6 +48,12 @@ VARLEN_TILE_COUNTER = True
 # one-CTA-per-tile grid the hardware balances): `--preset decode`'s ragged cell 0.89x -> 0.99x.
 KVCACHE_TILE_COUNTER = True
 SCHEDULES = ("auto", "persistent", "single")
+# KV-cache launches whose tiles hold at most this many query rows (seqlen_q, times the group
+# where pack-GQA packs a kv head's q heads) run one consumer warpgroup of 64 rows, no pingpong,
+# instead of the table's 2-3 warpgroups (the others' rows all padding). Sustained (H100, session
+# 28, ms per call, tile 128 -> 64): the decode preset's B64 L8192 q1 0.7012 -> 0.6990, B1 L131072
+# (split-KV) 0.1841 -> 0.1813, q4 causal 0.7144 -> 0.7115 (NOTES "v28"). None: the table's.
+DECODE_TILE_M: int | None = 64
 # KernelKey fields a KV-cache launch sets over the table's and the rules above, e.g.
 # {"num_stages": 3}: for measurement (`scripts/decode_probe.py`); empty by default.
 KVCACHE_SWITCHES: dict = {}
@@ -186,6 +198,7 @@ def kvcache_forward(
         key = key._replace(paged=pages, cluster_m=1, num_stages=stages)
     if KVCACHE_TILE_COUNTER and not causal and cache_seqlens is not None:
         key = key._replace(tile_counter=True, cluster_m=1)
+    key = decode_tile(key, q.shape[1] * (group if pack_gqa else 1))
     if KVCACHE_SWITCHES:
         key = key._replace(**KVCACHE_SWITCHES)
     fn = get_kernel(key)
@@ -203,6 +216,16 @@ def kvcache_forward(
         from .combine import combine
 
         combine(*partials, out, lse, num_splits)
+
+
+def decode_tile(key: KernelKey, rows: int) -> KernelKey:
+    """`key` at DECODE_TILE_M query rows, one consumer warpgroup, where a tile's `rows` fit them
+    (O's shared-memory buffer chosen again for the smaller tile); else `key`."""
+    if DECODE_TILE_M is None or rows > DECODE_TILE_M or key.tile_m <= DECODE_TILE_M:
+        return key
+    kd, kdv = kernel_head_dims(key.head_dim, key.head_dim_v or key.head_dim)
+    split_o = ws_split_o(kd, DECODE_TILE_M, key.tile_n, key.num_stages, key.mma_rowsum, kdv)
+    return key._replace(tile_m=DECODE_TILE_M, pingpong=False, cluster_m=1, split_o=split_o)
 
 
 def extra_arguments(

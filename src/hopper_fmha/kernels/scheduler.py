@@ -18,8 +18,8 @@ launches: the last CTA to finish sets them back).
 Split-KV (`split_kv`): each (query tile, head, batch) is num_splits tiles, one per contiguous
 range of its key blocks; without lpt_group (the kernels pass 0 with split_kv).
 Varlen: tiles are counted up to max_seqlen_q for every sequence; the kernel's producer skips
-those past a sequence's end before announcing any (`WsFwdSm90.skip_empty`; from the counter, a
-whole run of them at once: `skip_to`), so a batch's tiles differ in number without a table of them.
+those past a sequence's end before announcing any (`WsFwdSm90.skip_empty`), so a batch's tiles
+differ in number without a table of them.
 To come, a field of the compile key: pack-GQA (a tile holds the query rows of several heads
 sharing one K/V head).
 """
@@ -176,16 +176,6 @@ class TileScheduler:
                 nxt = cute.arch.atomic_add(self.counters, Int32(1), sem="relaxed", scope="gpu") + num_ctas
             return cute.arch.shuffle_sync(nxt, 0)
         return self.next_tile(tile, cta, num_ctas)
-
-    @cute.jit
-    def skip_to(self, tile_end: Int32, num_ctas: Int32):
-        """Dynamic order, producer warp, holding a tile below tile_end: no fetch returns a tile
-        below tile_end from here on (the counter is raised to tile_end - num_ctas, never lowered).
-        The tiles this skips lie between the held tile and tile_end, so the caller must know
-        them all to be empty: each tile is still taken at most once, and every one with work
-        exactly once."""
-        if cute.arch.lane_idx() == 0:
-            cute.arch.atomic_max(self.counters, tile_end - num_ctas, sem="relaxed", scope="gpu")
 
     @cute.jit
     def finish(self, num_ctas: Int32):

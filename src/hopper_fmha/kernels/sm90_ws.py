@@ -1005,10 +1005,7 @@ class WsFwdSm90:
     def skip_empty(self, sched: TileScheduler, tile: Int32, cta: Int32, num_ctas: Int32, seqlens: tuple):
         """Producer: `tile`, or (varlen) the first tile from it on whose query rows start inside
         their sequence (tiles count up to max_seqlen_q rows; a shorter sequence's last ones are
-        empty and never announced). With CTA pairs, the pair's first tile decides, for both.
-        From the tile counter without a longest-first order, an empty tile moves the counter
-        past the rest of its (head, batch)'s tiles, all empty: one fetch per run of empty tiles,
-        not one per tile (a batch of 256-4096 tokens padded to 4096 is 46% empty tiles)."""
+        empty and never announced). With CTA pairs, the pair's first tile decides, for both."""
         if const_expr(self.varlen):
             num_tiles = sched.num_tiles()
             searching = tile < num_tiles
@@ -1017,11 +1014,6 @@ class WsFwdSm90:
                 seqlen = SeqlenInfo.create(batch, *seqlens)
                 searching = False
                 if (m_block - m_block % self.cluster_m) * self.tile_m >= seqlen.seqlen_q:
-                    if const_expr(sched.dynamic and self.cluster_m == 1 and not self.split_kv):
-                        if sched.lpt_group == 0:
-                            # m_block runs fastest: the tiles up to this (head, batch)'s last are
-                            # empty too. No CTA is to take them (`TileScheduler.skip_to`).
-                            sched.skip_to(tile - m_block + sched.num_m_units(), num_ctas)
                     tile = sched.fetch_tile(tile, cta, num_ctas)
                     searching = tile < num_tiles
         return tile
