@@ -73,3 +73,16 @@ if [ "$part" = 3 ]; then
     tar czf "$OUT/presets3.tar.gz" -C "$OUT" decode paper && rm -rf "$OUT/decode" "$OUT/paper"
     exit 0
 fi
+
+if [ "$part" = 4 ]; then
+    # The paged decode cells (and the dense one) at DECODE_TILE_M against the table's 128-row tile;
+    # then the paper preset by the v16 method (README's), as far as 280 s take it.
+    python scripts/sustained.py --preset decode "=decode B64 L8192 H32/8 d128 bf16 q1" paged16 paged64 paged256 \
+        --backends hopper-fmha:auto kv:tile_m=128,pingpong=1 fa4 --passes 2 --seconds 0.5 --settle 0.2 \
+        --preheat 0.5 2>&1 | tee "$OUT/decode_paged.txt" | grep "mean ms\|WRONG\|error"
+    F="--backends hopper-fmha:auto sdpa-cudnn fa4 --steady-ms 300 --block-ms 1000 --rounds 2 --iters 24 --no-plot"
+    timeout 280 python -m hopper_fmha bench --preset paper --dtype fp16 bf16 $F --out "$OUT/paper" > "$OUT/paper.log" 2>&1
+    echo "paper rc=$?"
+    grep -h "auto\` | " "$OUT"/paper/*.md
+    exit 0
+fi
