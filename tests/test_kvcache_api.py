@@ -169,12 +169,16 @@ def test_pack_gqa_for_decode(cpu_kernel):
 
 
 def test_decode_tiles_take_one_consumer_warpgroup(monkeypatch):
-    """Tiles of at most 64 query rows (seqlen_q x the packed group) run at tile_m 64 without
+    """Tiles of at most 64 query rows (seqlen_q x the packed group; DECODE_TILE_DIMS, no window or
+    softcap) run at tile_m 64 without
     pingpong, O's buffer chosen for that tile; more rows keep the table's tile."""
     from hopper_fmha import config, kernels
     from hopper_fmha.kernels.cache import KernelKey
 
-    for d, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
+    cfg = config.launch_config(config.select_config(192, "ws", None, 128), False, 1)
+    wide = KernelKey.from_config("bfloat16", False, cfg)._replace(pack_gqa=4, cluster_m=1)
+    assert kernels.decode_tile(wide, 4) is wide  # not run on a GPU at 64 rows
+    for d, dv in ((64, 64), (128, 128), (256, 256)):
         cfg = config.launch_config(config.select_config(d, "ws", None, dv), False, 1)
         key = KernelKey.from_config("bfloat16", False, cfg)._replace(pack_gqa=4, cluster_m=1)
         small = kernels.decode_tile(key, 64)
@@ -182,6 +186,7 @@ def test_decode_tiles_take_one_consumer_warpgroup(monkeypatch):
         assert small.tile_n == key.tile_n and small.num_stages == key.num_stages
         assert small.split_o == config.ws_split_o(d, 64, key.tile_n, key.num_stages, key.mma_rowsum, dv)
         assert kernels.decode_tile(key, 65) is key
+        assert kernels.decode_tile(key._replace(softcap=True), 1).tile_m == key.tile_m
         monkeypatch.setattr(kernels, "DECODE_TILE_M", None)
         assert kernels.decode_tile(key, 1) is key
         monkeypatch.setattr(kernels, "DECODE_TILE_M", 64)
