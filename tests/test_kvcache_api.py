@@ -170,8 +170,8 @@ def test_pack_gqa_for_decode(cpu_kernel):
 
 def test_decode_tiles_take_one_consumer_warpgroup(monkeypatch):
     """Tiles of at most 64 query rows (seqlen_q x the packed group; DECODE_TILE_DIMS, no window or
-    softcap) run at tile_m 64 without
-    pingpong, O's buffer chosen for that tile; more rows keep the table's tile."""
+    softcap) run at tile_m 64 without pingpong, O's buffer chosen for that tile; more rows keep
+    the table's tile."""
     from hopper_fmha import config, kernels
     from hopper_fmha.kernels.cache import KernelKey
 
