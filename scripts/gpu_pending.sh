@@ -3,7 +3,9 @@
 #
 #     source .gpu/activate.sh && OUT=$OUT bash scripts/gpu_pending.sh 1
 #
-# Logs go under $OUT (default /tmp/pending).
+# Logs go under $OUT (default /tmp/pending). Parts 1-4 ran in session 28 (bench/results/
+# 2026-11-27-h100-v28); part 5 is owed: sm90_bwd.VARLEN_DQ_GATHER (built without a GPU), its
+# tests and its A/B on the backward-features preset's varlen cells.
 #   d192/dv128 causal pingpong  config.WS_CAUSAL_SWITCHES[(192, 128)]: tests -k 192v128 (both masks,
 #                               and the varlen 192/128 test)
 #   decode                      sustained.py over the decode preset's dense q1, B1 (split-KV) and
@@ -71,6 +73,19 @@ if [ "$part" = 3 ]; then
     python -m hopper_fmha bench --preset decode --out "$OUT/decode" 2>&1 | tail -2
     timeout 200 python -m hopper_fmha bench --preset paper --dtype fp16 bf16 --out "$OUT/paper" 2>&1 | tail -2
     tar czf "$OUT/presets3.tar.gz" -C "$OUT" decode paper && rm -rf "$OUT/decode" "$OUT/paper"
+    exit 0
+fi
+
+if [ "$part" = 5 ]; then
+    python scripts/gpu_tier.py --out /tmp/pending-tier5 --archive "$OUT/tier5.tar.gz" --procs 15 --budget 300 \
+        --stall 120 --chunked -k dq_gather tests/test_gpu_backward.py > "$OUT/tier5.log" 2>&1
+    tail -2 "$OUT/tier5.log"
+    grep -h "^FAILED" /tmp/pending-tier5/report*.txt | head -20
+    for flag in False True False; do
+        timeout 150 python scripts/trace_calls.py --preset backward-features --words "varlen24 bwd" \
+            --backends hopper-fmha:auto --set hopper_fmha.kernels.sm90_bwd.VARLEN_DQ_GATHER=$flag 2>&1 \
+            | grep -v Warning
+    done | tee "$OUT/dq_gather_ab.txt" | grep "eager ms\|VARLEN"
     exit 0
 fi
 

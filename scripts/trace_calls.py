@@ -11,6 +11,8 @@ autograd call of `registry.autograd_call`) is warmed up, then:
 
     source .gpu/activate.sh && python scripts/trace_calls.py --preset backward-features \\
         --words "varlen24 bwd" --backends hopper-fmha:auto fa4
+
+`--set MODULE.NAME=VALUE` sets module attributes first (a switch's A/B: run it twice).
 """
 
 from __future__ import annotations
@@ -51,7 +53,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--profiled", type=int, default=5)
     ap.add_argument("--top", type=int, default=12, help="kernel names listed per backend")
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="module attributes set first (Python literals), e.g. "
+        "hopper_fmha.kernels.sm90_bwd.VARLEN_DQ_GATHER=True",
+    )
     args = ap.parse_args(argv)
+    import ast
+    import importlib
+
+    for item in args.set:
+        target, _, value = item.partition("=")
+        module, _, name = target.rpartition(".")
+        setattr(importlib.import_module(module), name, ast.literal_eval(value))
+        print(f"# {module}.{name} = {value}")
 
     import torch
     from sustained import label_match

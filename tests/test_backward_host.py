@@ -946,3 +946,36 @@ def test_sass_hashes_configurations_bind_to_compile_bwd():
     for name, kwargs in configs.items():
         signature.bind("bfloat16", **kwargs)  # raises TypeError on a name compile_bwd lacks
         assert kwargs["head_dim"] in (64, 128, 192, 256), name
+
+
+@pytest.mark.parametrize("unscaled", [False, True], ids=["scaled", "unscaled"])
+def test_varlen_dq_gather_kernel(varlen_kernels, monkeypatch, unscaled):
+    """`VARLEN_DQ_GATHER`: dq from `dq_gather`'s kernel (here a torch stand-in behind its
+    binding's checks) equals torch's cast-then-gather bit for bit (one fp32 product, rounded once)."""
+    from hopper_fmha.kernels import dq_gather
+
+    calls = []
+
+    def compile_dq_gather(dtype_name, d):
+        fake = dq_gather.fake_arguments(dtype_name, d)
+
+        def run(acc, rows, dq, scale):
+            assert_binds(fake[:3], (acc, rows, dq), "dq_gather")
+            calls.append(scale)
+            dq.copy_((acc[rows] * scale).to(dq.dtype))
+
+        return run
+
+    monkeypatch.setattr(dq_gather, "_compiled", {})
+    monkeypatch.setattr(dq_gather, "compile_dq_gather", compile_dq_gather)
+    monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", unscaled)
+    lq, lk = [70, 0, 1, 130], [90, 5, 0, 128]
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs(lq, lk)
+    args = (q, k, v, out, dout, lse, cu_q, cu_k, 130, 128, 64**-0.5, False)
+    before = sm90_bwd.backward_varlen(*args)
+    assert not calls
+    monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_GATHER", True)
+    after = sm90_bwd.backward_varlen(*args)
+    assert calls == [64**-0.5 if unscaled else 1.0]
+    for a, b in zip(before, after, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -193,6 +193,20 @@ def test_preprocess_compiles(dtype, head_dim_v, with_dlse):
     assert text.count("STG.E ") == 2
 
 
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", d) for d in (64, 72, 128, 256)] + [("float16", 128)])
+def test_dq_gather_compiles(dtype, head_dim):
+    # The varlen dQ's scale, cast and gather (`dq_gather`): per 8 columns two 128-bit loads of
+    # fp32 and one 128-bit store of 16-bit values, the row index by one 64-bit load; no stack.
+    from hopper_fmha.kernels.dq_gather import compile_dq_gather
+
+    cubin = cubin_of(compile_dq_gather, dtype, head_dim)
+    assert stack_bytes(cubin) == 0
+    text = sass_or_skip(cubin)
+    steps = -(-head_dim // 8 // (1 << (min(16, head_dim // 8).bit_length() - 1)))
+    assert text.count("LDG.E.128") == 2 * steps and text.count("STG.E.128") == steps
+    assert text.count("LDG.E.64") == 1 and "STG.E " not in text
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gqa_sums_dk_dv_by_vector_atomics(head_dim):
     # v2 with GQA (not deterministic): dK, dV added into per-kv-head fp32 sums, two columns per

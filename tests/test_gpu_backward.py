@@ -760,3 +760,17 @@ def test_dq_writer_with_fragments(hopper_gpu, dq_writer, monkeypatch):
     for d in (64, 128):
         test_deterministic_is_bitwise_reproducible(hopper_gpu, False, d)
         test_deterministic_is_bitwise_reproducible(hopper_gpu, True, d)
+
+
+# The varlen dQ's scale, cast and gather by one kernel (`sm90_bwd.VARLEN_DQ_GATHER`, built in
+# session 28, off until run): every varlen case at d64 and d128 (tiles 128, 80, 64), MHA and GQA,
+# a padded head dim, fp16 and bf16 and deterministic.
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+@pytest.mark.parametrize("d", [64, 128, 96])
+@pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
+def test_varlen_dq_gather(hopper_gpu, monkeypatch, dtype, deterministic, d, case, heads):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_GATHER", True)
+    test_varlen_backward(hopper_gpu, dtype, deterministic, d, case, heads)

@@ -610,6 +610,13 @@ def cast_dq(dq_acc, dtype, scale: float | None):
     return torch.mul(dq_acc, scale, out=dq)
 
 
+# The varlen backward's dQ: scaled, cast and gathered to the packed rows by one kernel
+# (`dq_gather`) instead of torch's cast of every padded row and a gather of the 16-bit result
+# (H100, session 28, the backward-features preset's varlen cell: 0.52 + 0.33 ms of 14.7). Built in
+# session 28 without a GPU; predicted about -0.35 ms there (+2%). Off until run.
+VARLEN_DQ_GATHER = False
+
+
 # v2's query tile at d64: 64, or 128 (FA4's d64 tile: twice the GEMM work per step for the same
 # fixed cost: 369 -> 428 TFLOP/s non-causal, 336 -> 367 causal, bf16 B4 N4096 H32, `bwd_profile
 # --tile-m 64 128`, H200 2026-11-27). Not with softcap, whose kernel spills 232 bytes at 128.
@@ -985,12 +992,14 @@ def backward_varlen(
     if not mha and not atomic:
         dk = dk.view(total_k, kv_heads, group, d).sum(2)
         dv = dv.view(total_k, kv_heads, group, d_v).sum(2)
-    grads = (
-        # cast, then gathered: the gather moves 2-byte values, not 4 (0.3 ms, v27)
-        cast_dq(dq_acc, q.dtype, softmax_scale if dq_unscaled else None)[padded],
-        dk.to(q.dtype),
-        dv.to(q.dtype),
-    )
+    dq_scale = softmax_scale if dq_unscaled else None
+    if VARLEN_DQ_GATHER:
+        from .dq_gather import gather_dq
+
+        dq = gather_dq(dq_acc, padded, q.dtype, dq_scale)
+    else:  # cast, then gathered: the gather moves 2-byte values, not 4 (0.3 ms, v27)
+        dq = cast_dq(dq_acc, q.dtype, dq_scale)[padded]
+    grads = (dq, dk.to(q.dtype), dv.to(q.dtype))
     if learnable_sink is None:
         return grads
     from hopper_fmha.backward import sink_gradient
