@@ -4,8 +4,9 @@
 #     source .gpu/activate.sh && OUT=$OUT bash scripts/gpu_pending.sh 1
 #
 # Logs go under $OUT (default /tmp/pending). Parts 1-4 ran in session 28 (bench/results/
-# 2026-11-27-h100-v28); part 5 is owed: sm90_bwd.VARLEN_DQ_GATHER (built without a GPU), its
-# tests and its A/B on the backward-features preset's varlen cells.
+# 2026-11-27-h100-v28); part 5 is owed: sm90_bwd.VARLEN_DQ_GATHER and sm90_bwd.WIDE_ROTATE (built
+# without a GPU), their tests, the A/B of the first on the backward-features preset's varlen cells
+# and of the second on the wide kernel's deterministic d256 and d192/dv128 (bwd_profile).
 #   d192/dv128 causal pingpong  config.WS_CAUSAL_SWITCHES[(192, 128)]: tests -k 192v128 (both masks,
 #                               and the varlen 192/128 test)
 #   decode                      sustained.py over the decode preset's dense q1, B1 (split-KV) and
@@ -78,7 +79,7 @@ fi
 
 if [ "$part" = 5 ]; then
     python scripts/gpu_tier.py --out /tmp/pending-tier5 --archive "$OUT/tier5.tar.gz" --procs 15 --budget 300 \
-        --stall 120 --chunked -k dq_gather tests/test_gpu_backward.py > "$OUT/tier5.log" 2>&1
+        --stall 120 --chunked -k "dq_gather or rotated_walk" tests/test_gpu_backward.py > "$OUT/tier5.log" 2>&1
     tail -2 "$OUT/tier5.log"
     grep -h "^FAILED" /tmp/pending-tier5/report*.txt | head -20
     for flag in False True False; do
@@ -86,6 +87,12 @@ if [ "$part" = 5 ]; then
             --backends hopper-fmha:auto --set hopper_fmha.kernels.sm90_bwd.VARLEN_DQ_GATHER=$flag 2>&1 \
             | grep -v Warning
     done | tee "$OUT/dq_gather_ab.txt" | grep "eager ms\|VARLEN"
+    for args in "--d 256 --heads 8" "--d 192 --dv 128 --heads 16"; do
+        for r in off on off; do
+            timeout 90 python scripts/bwd_profile.py $args --versions 2 --wide --deterministic --wide-rotate $r \
+                2>&1 | grep TFLOP | sed "s/\$/  (wide rotate $r)/"
+        done
+    done | tee "$OUT/wide_rotate.txt"
     exit 0
 fi
 

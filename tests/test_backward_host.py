@@ -697,12 +697,15 @@ def wide(monkeypatch):
     ids=["d256-gqa", "d192-dv128", "d160-mha-deterministic", "d256-mqa-deterministic", "d136-mha",
          "d136-dv64", "d192-dv96-mha-deterministic", "d200-dv128"],
 )  # fmt: skip
+@pytest.mark.parametrize("wide_rotate", [False, True], ids=["plain-walk", "rotated"])
 def test_head_dims_past_128_run_the_wide_kernel(
-    kernels, wide, d, dv, kv_heads, causal, deterministic, kernel
+    kernels, wide, monkeypatch, d, dv, kv_heads, causal, deterministic, kernel, wide_rotate
 ):
     # Past 128 the wide kernel runs at (192, 128) or (256, 256), on zero-padded copies to the first
     # at least as large: dK, dV per q head (fp32 with GQA, summed by the host; no atomic sums),
-    # 64-query steps, no rotated deterministic walk.
+    # 64-query steps; deterministic without causal, the rotated walk with WIDE_ROTATE (75 keys: 2
+    # blocks per head, resident at once), else none.
+    monkeypatch.setattr(sm90_bwd, "WIDE_ROTATE", wide_rotate)
     launches, keys = kernels
     g = torch.Generator().manual_seed(d + dv)
     q = torch.randn(2, 70, 4, d, generator=g).to(torch.bfloat16)
@@ -717,7 +720,7 @@ def test_head_dims_past_128_run_the_wide_kernel(
     # tile_m, rotate, dq_unscaled, dq_fragments, dv)
     key = keys[-1]
     assert (key[1], key[15]) == kernel and key[4] == 2 and key[6] is False and key[11] == 64
-    assert key[12] is False and key[14] is False
+    assert key[12] is (wide_rotate and deterministic and not causal) and key[14] is False
     assert launches[-1]["q"].shape[-1] == kernel[0] and launches[-1]["dk"].shape[-1] == kernel[0]
     assert launches[-1]["dk"].dtype == (torch.bfloat16 if kv_heads == 4 else torch.float32)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
@@ -979,3 +982,18 @@ def test_varlen_dq_gather_kernel(varlen_kernels, monkeypatch, unscaled):
     assert calls == [64**-0.5 if unscaled else 1.0]
     for a, b in zip(before, after, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_rotation_needs_a_heads_key_blocks_resident():
+    # One CTA per SM in both v2 kernels: a head's key blocks (128 keys, or the wide kernel's 48 /
+    # 96) at most the SM count (HOST_SM_COUNT off the GPU), deterministic, no causal or window.
+    sms = sm90_bwd.HOST_SM_COUNT
+    assert [sm90_bwd.keys_per_cta(*dims) for dims in ((64, 64), (128, 128), (256, 256), (192, 128))] == [
+        128, 128, 48, 96,
+    ]  # fmt: skip
+    for tile_n in (128, 48, 96):
+        args = (True, 2, False, -1, -1)
+        assert sm90_bwd.rotates(*args, sms * tile_n, torch.device("cpu"), tile_n)
+        assert not sm90_bwd.rotates(*args, sms * tile_n + 1, torch.device("cpu"), tile_n)
+        assert not sm90_bwd.rotates(True, 2, True, -1, -1, tile_n, torch.device("cpu"), tile_n)  # causal
+        assert not sm90_bwd.rotates(False, 2, False, -1, -1, tile_n, torch.device("cpu"), tile_n)

@@ -774,3 +774,31 @@ def test_varlen_dq_gather(hopper_gpu, monkeypatch, dtype, deterministic, d, case
 
     monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_GATHER", True)
     test_varlen_backward(hopper_gpu, dtype, deterministic, d, case, heads)
+
+
+# The wide kernel's rotated deterministic walk (`sm90_bwd.WIDE_ROTATE`, session 28, off until run):
+# deterministic, no causal or window; each case's gradients by the reference and twice bitwise
+# equal, 100 bitwise repeats at d256, the varlen call.
+@pytest.fixture
+def wide_rotate(wide, monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "WIDE_ROTATE", True)
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", WIDE_FEATURE_SEQLENS, ids=[f"{a}x{b}" for a, b in WIDE_FEATURE_SEQLENS])
+@pytest.mark.parametrize("feature", ["plain", "softcap", "sink"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-dv128"])
+def test_wide_rotated_walk(hopper_gpu, wide_rotate, dims, feature, seqlens, heads):
+    test_score_features_backward(hopper_gpu, torch.bfloat16, True, dims[0], feature, seqlens, heads, dims[1])
+
+
+def test_wide_rotated_walk_is_bitwise_reproducible(hopper_gpu, wide_rotate):
+    test_deterministic_is_bitwise_reproducible(hopper_gpu, False, 256)  # 100 repeats
+
+
+@pytest.mark.parametrize("case", ["full", "softcap", "sink"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-dv128"])
+def test_wide_rotated_walk_varlen(hopper_gpu, wide_rotate, dims, case):
+    test_varlen_backward(hopper_gpu, torch.bfloat16, True, dims[0], case, "gqa", dims[1])

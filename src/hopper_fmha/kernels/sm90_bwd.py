@@ -489,11 +489,11 @@ def compile_bwd(
     if version == 2 and head_dim > HEAD_DIMS[-1]:
         from .sm90_bwd_wide import BwdWideSm90
 
-        assert not (dkv_atomic or rotate or dq_fragments), "wide: dK, dV per q head; no rotation, fragments"
+        assert not (dkv_atomic or dq_fragments), "wide: dK, dV per q head; no fragments"
         assert tile_m == TILE, "the wide kernel steps 64 queries"
         kernel = BwdWideSm90(
             dtype, head_dim, head_dim_v, causal, deterministic, window_left, window_right, softcap, varlen,
-            dq_unscaled, dq_writer,
+            dq_unscaled, dq_writer, rotate,
         )  # fmt: skip
     elif version == 2:
         from .sm90_bwd_ws import BwdWsSm90
@@ -629,17 +629,41 @@ D128_TILE_M = 80
 
 
 def rotates(
-    deterministic: bool, version: int, causal: bool, left: int, right: int, seqlen_k: int, device
+    deterministic: bool,
+    version: int,
+    causal: bool,
+    left: int,
+    right: int,
+    seqlen_k: int,
+    device,
+    tile_n: int = 128,
 ) -> bool:
     """Whether the deterministic v2 kernel walks its query blocks rotated (`BwdWsSm90`'s
     `rotate`): every key block visits every query block (no causal, no window), and a head's key
     blocks (its CTAs) fit on the GPU at once. The rotated turn order has one wait on a CTA that
     launches later (the wrap-around); with all of a head's CTAs resident it cannot block forever,
     as the earliest unfinished head then always has every CTA launched. (The SM count is torch's:
-    a MIG slice's own; an MPS client limited to fewer SMs than that is not covered.)"""
+    a MIG slice's own; an MPS client limited to fewer SMs than that is not covered.) tile_n: the
+    kernel's keys per CTA (the wide kernel's `SHAPES`), one CTA per SM in both kernels."""
     if not (deterministic and version == 2 and not causal and left < 0 and right < 0):
         return False
-    return -(-seqlen_k // 128) <= _sm_count(device)
+    return -(-seqlen_k // tile_n) <= _sm_count(device)
+
+
+# The wide kernel's deterministic mode walks rotated too (`rotates` with its keys per CTA; session 28,
+# built without a GPU, off until run). Prediction: deterministic d256 at 67-77% of the plain
+# backward (H100, v28) -> 80-90%, as the rotation did for the d128 kernel (NOTES "v23").
+WIDE_ROTATE = False
+
+
+def keys_per_cta(head_dim: int, head_dim_v: int) -> int:
+    """The v2 kernels' keys per CTA: 128 (`sm90_bwd_ws`), or the wide kernel's tile (48 at
+    (256, 256), 96 at (192, 128): `sm90_bwd_wide.SHAPES`), for kernel head dims."""
+    if head_dim <= HEAD_DIMS[-1]:
+        return 128
+    from .sm90_bwd_wide import SHAPES
+
+    return SHAPES[head_dim, head_dim_v].tile_n
 
 
 # The SM count `rotates` assumes for tensors off the GPU (the host tests' stand-in kernels).
@@ -807,7 +831,7 @@ def backward(
         )  # fmt: skip
         return _unpadded(grads, d, d_v)
     version = DEFAULT_VERSION if version is None else version
-    wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
+    wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head
     if wide and version != 2:
         raise NotImplementedError(
             f"backward kernel version {version} takes head dims up to 128 (past 128: version 2)"
@@ -839,7 +863,9 @@ def backward(
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
-    rotate = not wide and rotates(deterministic, version, causal, left, right, seqlen_k, q.device)
+    rotate = (WIDE_ROTATE or not wide) and rotates(
+        deterministic, version, causal, left, right, seqlen_k, q.device, keys_per_cta(d, d_v)
+    )
     writer = DQ_WRITER_WARP and bool(deterministic) and version == 2
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
     key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer)
@@ -958,7 +984,7 @@ def backward_varlen(
     dq_acc = torch.zeros(total_pad, heads, d, device=device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
-    wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head, no rotated walk
+    wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head
     atomic = not mha and not deterministic and not wide
     # Zeroed: keys past max_seqlen_k (a max_seqlen_k below the truth) get no CTA.
     dkv_dtype = q.dtype if mha else torch.float32
@@ -975,7 +1001,8 @@ def backward_varlen(
         bool(softcap),
         True,
         tile_m,
-        not wide and rotates(deterministic, 2, causal, left, right, max_seqlen_k, device),
+        (WIDE_ROTATE or not wide)
+        and rotates(deterministic, 2, causal, left, right, max_seqlen_k, device, keys_per_cta(d, d_v)),
         dq_unscaled,
         False,  # dq_fragments: dense only
         d_v,

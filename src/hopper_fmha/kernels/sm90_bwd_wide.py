@@ -28,9 +28,10 @@ sP/sdS buffer, a warpgroup writes block m + 1's P and dS only after both warpgro
 m have read them (`BARRIER_PDS_FREE`).
 
 dK and dV leave from registers (the accumulators' (d, key) pairs: 2-byte stores in the inputs'
-type with MHA, fp32 per q head otherwise, which the host sums per kv head); no atomic GQA sums and
-no rotated deterministic walk (deterministic: the turns and dQ's adds by `sm90_bwd_ws`'s writer
-warp, `dq_writer`, since session 27). Everything else (arguments, layouts, host side) is `sm90_bwd_ws`'s,
+type with MHA, fp32 per q head otherwise, which the host sums per kv head); no atomic GQA sums.
+Deterministic: the turns and dQ's adds by `sm90_bwd_ws`'s writer warp (`dq_writer`, since session
+27), along the rotated walk only with `sm90_bwd.WIDE_ROTATE` (session 28, not yet run). Everything
+else (arguments, layouts, host side) is `sm90_bwd_ws`'s,
 with v, dO and dV of head dim head_dim_v.
 """
 
@@ -106,6 +107,7 @@ class BwdWideSm90(BwdWsSm90):
         varlen: bool = False,
         dq_unscaled: bool = False,
         dq_writer: bool = False,
+        rotate: bool = False,
     ):
         assert (head_dim, head_dim_v) in SHAPES, f"the wide backward kernel takes {list(SHAPES)}"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -134,10 +136,13 @@ class BwdWideSm90(BwdWsSm90):
         self.rows_stride = TILE_M
         self.mask = Mask(TILE_M, self.tile_n, causal, window_left, window_right)
         self.descending = causal or window_right
-        self.rotate = False
+        # Deterministic without causal or window, with a head's key blocks resident at once: the
+        # rotated walk and turns of `sm90_bwd_ws` (`walk`, `walk_block`, `turn`; `sm90_bwd.rotates`).
+        assert not rotate or (deterministic and not (causal or window_left or window_right)), "rotate"
+        self.rotate = rotate
         self.dkv_tma = False
         # Deterministic: the turns and dQ's adds by the producer warpgroup's second warp, as
-        # `sm90_bwd_ws` (`write_dq`; the walk is the plain one here, `walk_block` = i).
+        # `sm90_bwd_ws` (`write_dq`, along the same walk).
         assert not dq_writer or deterministic, "dq_writer: deterministic mode"
         self.dq_writer = dq_writer
 
@@ -237,7 +242,7 @@ class BwdWideSm90(BwdWsSm90):
         cute.arch.mbarrier_wait(mbar_KV, 0)
         held = Int32(-1)  # deterministic: the query block whose turn this CTA still holds
         for i in cutlass.range(m_min, m_max, unroll=1):
-            m_block = i
+            m_block = self.walk_block(i, m_min, m_max, walk)
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
             acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
             pipe_q.consumer_wait(q_state)

@@ -850,7 +850,7 @@ class BwdWsSm90(BwdSm90):
         num_n key blocks, wrapping at m_max. stride 0 (C < num_n, or no work): no rotation."""
         first, stride, num_n = m_min, Int32(0), Int32(1)
         if const_expr(self.rotate):
-            num_n = cutlass.max((seqlen.seqlen_k + TILE_N - 1) // TILE_N, 1)
+            num_n = cutlass.max((seqlen.seqlen_k + self.tile_n - 1) // self.tile_n, 1)
             if const_expr(self.varlen):
                 num_n = cutlass.min(num_n, cute.arch.grid_dim()[0])  # (as the turns' n_max)
             stride = (m_max - m_min) // num_n
