@@ -5,7 +5,8 @@
 #
 # Logs go under $OUT (default /tmp/pending). Parts 1-4 ran in session 28 (bench/results/
 # 2026-11-27-h100-v28); part 5 is owed: sm90_bwd.VARLEN_DQ_GATHER and sm90_bwd.WIDE_ROTATE (built
-# without a GPU), their tests, the A/B of the first on the backward-features preset's varlen cells
+# without a GPU), their tests, the KV-cache tests with a window, softcap and (192, 128) (at the
+# table's tile and at 64 rows: kernels.DECODE_TILE_FEATURES / DECODE_TILE_DIMS), the A/B of the first on the backward-features preset's varlen cells
 # and of the second on the wide kernel's deterministic d256 and d192/dv128 (bwd_profile).
 #   d192/dv128 causal pingpong  config.WS_CAUSAL_SWITCHES[(192, 128)]: tests -k 192v128 (both masks,
 #                               and the varlen 192/128 test)
@@ -79,7 +80,8 @@ fi
 
 if [ "$part" = 5 ]; then
     python scripts/gpu_tier.py --out /tmp/pending-tier5 --archive "$OUT/tier5.tar.gz" --procs 15 --budget 300 \
-        --stall 120 --chunked -k "dq_gather or rotated_walk" tests/test_gpu_backward.py > "$OUT/tier5.log" 2>&1
+        --stall 120 --chunked -k "dq_gather or rotated_walk or features_and_192" tests/test_gpu_backward.py \
+        tests/test_gpu_kvcache.py > "$OUT/tier5.log" 2>&1
     tail -2 "$OUT/tier5.log"
     grep -h "^FAILED" /tmp/pending-tier5/report*.txt | head -20
     for flag in False True False; do

@@ -187,6 +187,9 @@ def test_decode_tiles_take_one_consumer_warpgroup(monkeypatch):
         assert small.split_o == config.ws_split_o(d, 64, key.tile_n, key.num_stages, key.mma_rowsum, dv)
         assert kernels.decode_tile(key, 65) is key
         assert kernels.decode_tile(key._replace(softcap=True), 1).tile_m == key.tile_m
+        monkeypatch.setattr(kernels, "DECODE_TILE_FEATURES", True)
+        assert kernels.decode_tile(key._replace(softcap=True, window="left"), 1).tile_m == 64
+        monkeypatch.setattr(kernels, "DECODE_TILE_FEATURES", False)
         monkeypatch.setattr(kernels, "DECODE_TILE_M", None)
         assert kernels.decode_tile(key, 1) is key
         monkeypatch.setattr(kernels, "DECODE_TILE_M", 64)
