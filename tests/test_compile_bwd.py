@@ -355,6 +355,9 @@ WIDE_CONFIGS = {
     "deterministic": dict(causal=True, deterministic=True),
     "window-softcap": dict(causal=False, window_left=True, window_right=True, softcap=True),
     "varlen": dict(causal=True, varlen=True),
+    # `sm90_bwd.WIDE_ROTATE`'s walk, with the writer warp and without (a wait at the CTA's turn).
+    "rotated": dict(causal=False, deterministic=True, rotate=True),
+    "rotated-writer": dict(causal=False, deterministic=True, rotate=True, dq_writer=True),
 }
 # (S + dP, dV^T + dK^T, dQ WGMMAs a block; their shapes; a thread's 16-bit P and dS words and fp32
 # dQ values into shared memory)

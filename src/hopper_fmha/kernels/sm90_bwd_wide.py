@@ -296,13 +296,10 @@ class BwdWideSm90(BwdWsSm90):
             do_state.advance()
 
             self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min)
-            if const_expr(not self.dq_writer):  # (else the writer warp adds it, `write_dq`)
-                if const_expr(self.deterministic):
-                    turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, None)
-                    self.wait_turn(mSem, m_block, head, batch, turn, tidx)
-                self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
-                if const_expr(self.deterministic):
-                    held = m_block
+            held = self.add_dq_at_turn(
+                sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, m_block, n_block, head, batch, m_min, walk,
+                held, tidx,
+            )  # fmt: skip
             warpgroup.wait_group(0)  # dK^T done: Q's stage goes back to the producer
             pipe_q.consumer_release(q_state)
             q_state.advance()

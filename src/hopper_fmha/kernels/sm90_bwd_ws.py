@@ -684,13 +684,10 @@ class BwdWsSm90(BwdSm90):
             # dQ into sdQ, then (deterministic: at the CTA's turn, complete before the turn passes,
             # `release_turn`) added into dQacc by TMA.
             self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min)
-            if const_expr(not self.dq_writer):  # (else the writer warp adds it, `write_dq`)
-                if const_expr(self.deterministic):
-                    turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)
-                    self.wait_turn(mSem, m_block, head, batch, turn, tidx)
-                self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
-                if const_expr(self.deterministic):
-                    held = m_block
+            held = self.add_dq_at_turn(
+                sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, m_block, n_block, head, batch, m_min, walk,
+                held, tidx,
+            )  # fmt: skip
             warpgroup.wait_group(0)  # dK done: Q's stage goes back to the producer
             pipe_q.consumer_release(q_state)
             q_state.advance()
@@ -940,6 +937,24 @@ class BwdWsSm90(BwdSm90):
             if lane == 0:
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def add_dq_at_turn(
+        self, sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, m_block, n_block, head, batch, m_min, walk, held,
+        tidx,
+    ):  # fmt: skip
+        """Consumers, after `stage_dq`, without the writer warp (with it, `write_dq` adds): add the
+        staged dQ of block m_block into dQacc; deterministic: at the CTA's turn along `walk`, which
+        it then holds until `release_turn`. Returns the block whose turn is held (`held` unchanged
+        otherwise)."""
+        if const_expr(not self.dq_writer):
+            if const_expr(self.deterministic):
+                turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)
+                self.wait_turn(mSem, m_block, head, batch, turn, tidx)
+            self.issue_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx)
+            if const_expr(self.deterministic):
+                held = m_block
+        return held
 
     @cute.jit
     def release_turn(self, mSem, m_block, head, batch, tidx):
