@@ -984,16 +984,20 @@ def test_varlen_dq_gather_kernel(varlen_kernels, monkeypatch, unscaled):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_rotation_needs_a_heads_key_blocks_resident():
+def test_rotation_needs_a_heads_key_blocks_resident(monkeypatch):
     # One CTA per SM in both v2 kernels: a head's key blocks (128 keys, or the wide kernel's 48 /
     # 96) at most the SM count (HOST_SM_COUNT off the GPU), deterministic, no causal or window.
     sms = sm90_bwd.HOST_SM_COUNT
     assert [sm90_bwd.keys_per_cta(*dims) for dims in ((64, 64), (128, 128), (256, 256), (192, 128))] == [
         128, 128, 48, 96,
     ]  # fmt: skip
-    for tile_n in (128, 48, 96):
-        args = (True, 2, False, -1, -1)
-        assert sm90_bwd.rotates(*args, sms * tile_n, torch.device("cpu"), tile_n)
-        assert not sm90_bwd.rotates(*args, sms * tile_n + 1, torch.device("cpu"), tile_n)
-        assert not sm90_bwd.rotates(True, 2, True, -1, -1, tile_n, torch.device("cpu"), tile_n)  # causal
-        assert not sm90_bwd.rotates(False, 2, False, -1, -1, tile_n, torch.device("cpu"), tile_n)
+    cpu = torch.device("cpu")
+    for dims, tile_n in (((128, 128), 128), ((256, 256), 48), ((192, 128), 96)):
+        wide = dims[0] > 128
+        for wide_rotate in (False, True):
+            monkeypatch.setattr(sm90_bwd, "WIDE_ROTATE", wide_rotate)
+            args = (True, 2, False, -1, -1)
+            assert sm90_bwd.rotates(*args, sms * tile_n, cpu, *dims) == (wide_rotate or not wide)
+            assert not sm90_bwd.rotates(*args, sms * tile_n + 1, cpu, *dims)
+            assert not sm90_bwd.rotates(True, 2, True, -1, -1, tile_n, cpu, *dims)  # causal
+            assert not sm90_bwd.rotates(False, 2, False, -1, -1, tile_n, cpu, *dims)

@@ -19,6 +19,7 @@ as TVM-FFI object files, on disk (`cache_dir()`), so a second process loads inst
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 # CuTe DSL reads the target arch once, at import. Our kernels only exist for sm_90a, which is
 # also right on a CPU-only machine, where it lets the kernels compile for inspection.
@@ -60,7 +61,7 @@ DECODE_TILE_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256))
 # And with a window or softcap (`test_kvcache_features_and_192` runs them at 64 rows; not yet run).
 DECODE_TILE_FEATURES = False
 # KernelKey fields a KV-cache launch sets over the table's and the rules above, e.g.
-# {"num_stages": 3}: for measurement (`scripts/decode_probe.py`); empty by default.
+# {"num_stages": 3}: for measurement (`scripts/sustained.py`'s `kv:` backends); empty by default.
 KVCACHE_SWITCHES: dict = {}
 # Persistent CTAs; None: one per SM. Tests set a small number so that every CTA runs many tiles.
 PERSISTENT_CTAS: int | None = None
@@ -229,10 +230,20 @@ def decode_tile(key: KernelKey, rows: int) -> KernelKey:
     if DECODE_TILE_M is None or rows > DECODE_TILE_M or key.tile_m <= DECODE_TILE_M:
         return key
     kd, kdv = kernel_head_dims(key.head_dim, key.head_dim_v or key.head_dim)
-    if ((key.window or key.softcap) and not DECODE_TILE_FEATURES) or (kd, kdv) not in DECODE_TILE_DIMS:
+    if (key.window or key.softcap) and not DECODE_TILE_FEATURES:
         return key  # not run on a GPU at 64 rows yet
-    split_o = ws_split_o(kd, DECODE_TILE_M, key.tile_n, key.num_stages, key.mma_rowsum, kdv)
-    return key._replace(tile_m=DECODE_TILE_M, pingpong=False, cluster_m=1, split_o=split_o)
+    return _at_decode_tile(key, DECODE_TILE_M, DECODE_TILE_DIMS)
+
+
+@lru_cache(maxsize=256)
+def _at_decode_tile(key: KernelKey, tile_m: int, dims: tuple) -> KernelKey:
+    """`decode_tile`'s key, once per key (a decode step's per-call path): `key` at tile_m rows
+    where its kernel head dims are among `dims`, else `key`."""
+    kd, kdv = kernel_head_dims(key.head_dim, key.head_dim_v or key.head_dim)
+    if (kd, kdv) not in dims:
+        return key
+    split_o = ws_split_o(kd, tile_m, key.tile_n, key.num_stages, key.mma_rowsum, kdv)
+    return key._replace(tile_m=tile_m, pingpong=False, cluster_m=1, split_o=split_o)
 
 
 def extra_arguments(

@@ -636,18 +636,23 @@ def rotates(
     right: int,
     seqlen_k: int,
     device,
-    tile_n: int = 128,
+    head_dim: int = 128,
+    head_dim_v: int | None = None,
 ) -> bool:
     """Whether the deterministic v2 kernel walks its query blocks rotated (`BwdWsSm90`'s
     `rotate`): every key block visits every query block (no causal, no window), and a head's key
     blocks (its CTAs) fit on the GPU at once. The rotated turn order has one wait on a CTA that
     launches later (the wrap-around); with all of a head's CTAs resident it cannot block forever,
     as the earliest unfinished head then always has every CTA launched. (The SM count is torch's:
-    a MIG slice's own; an MPS client limited to fewer SMs than that is not covered.) tile_n: the
-    kernel's keys per CTA (the wide kernel's `SHAPES`), one CTA per SM in both kernels."""
+    a MIG slice's own; an MPS client limited to fewer SMs than that is not covered.) head_dim,
+    head_dim_v: the kernel's (the wide kernel's only with WIDE_ROTATE), whose keys per CTA
+    (`keys_per_cta`) make a head's CTAs, one per SM in both kernels."""
     if not (deterministic and version == 2 and not causal and left < 0 and right < 0):
         return False
-    return -(-seqlen_k // tile_n) <= _sm_count(device)
+    if head_dim > HEAD_DIMS[-1] and not WIDE_ROTATE:
+        return False
+    keys = keys_per_cta(head_dim, head_dim if head_dim_v is None else head_dim_v)
+    return -(-seqlen_k // keys) <= _sm_count(device)
 
 
 # The wide kernel's deterministic mode walks rotated too (`rotates` with its keys per CTA; session 28,
@@ -863,9 +868,7 @@ def backward(
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
-    rotate = (WIDE_ROTATE or not wide) and rotates(
-        deterministic, version, causal, left, right, seqlen_k, q.device, keys_per_cta(d, d_v)
-    )
+    rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device, d, d_v)
     writer = DQ_WRITER_WARP and bool(deterministic) and version == 2
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
     key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer)
@@ -1001,8 +1004,7 @@ def backward_varlen(
         bool(softcap),
         True,
         tile_m,
-        (WIDE_ROTATE or not wide)
-        and rotates(deterministic, 2, causal, left, right, max_seqlen_k, device, keys_per_cta(d, d_v)),
+        rotates(deterministic, 2, causal, left, right, max_seqlen_k, device, d, d_v),
         dq_unscaled,
         False,  # dq_fragments: dense only
         d_v,
