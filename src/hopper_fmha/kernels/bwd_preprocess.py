@@ -34,21 +34,30 @@ UNIT = 8  # columns per 128-bit load of 16-bit values
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 
 
+def row_lanes(name: str, cols: int) -> tuple[int, int, int, int]:
+    """(units, threads_per_row, tile_m, units_per_thread) for rows of `cols` 16-bit columns split
+    into units of 8 (one 128-bit access each) over CTAs of 128 threads: threads_per_row = the
+    largest power of two <= min(16, units), tile_m = 128 / threads_per_row rows per CTA, each lane
+    ceil(units / threads_per_row) units. Raises (naming `name`) unless cols is a multiple of 8 in
+    [8, 256]. This kernel's layout, and `dq_gather`'s."""
+    if cols % UNIT or not 0 < cols <= 256:
+        raise ValueError(f"{name} must be a multiple of {UNIT} in [8, 256], got {cols}")
+    units = cols // UNIT
+    threads_per_row = 1 << (min(16, units).bit_length() - 1)
+    return units, threads_per_row, 128 // threads_per_row, -(-units // threads_per_row)
+
+
 class BwdPreprocessSm90:
     """D for one (dtype, head_dim_v, with dLSE); see the module docstring. threads_per_row = the
     largest power of two <= min(16, dv / 8), tile_m = 128 / threads_per_row rows per CTA of 128
     threads, each lane ceil(dv / 8 / threads_per_row) units."""
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim_v: int, with_dlse: bool):
-        if head_dim_v % UNIT or not 0 < head_dim_v <= 256:
-            raise ValueError(f"head_dim_v must be a multiple of {UNIT} in [8, 256], got {head_dim_v}")
+        lanes = row_lanes("head_dim_v", head_dim_v)
+        self.units, self.threads_per_row, self.tile_m, self.units_per_thread = lanes
         self.dtype = dtype
         self.head_dim_v = head_dim_v
         self.with_dlse = with_dlse
-        self.units = head_dim_v // UNIT
-        self.threads_per_row = 1 << (min(16, self.units).bit_length() - 1)
-        self.tile_m = 128 // self.threads_per_row
-        self.units_per_thread = -(-self.units // self.threads_per_row)
 
     @cute.jit
     def __call__(

@@ -9,7 +9,7 @@ kernel reads each packed row's fp32 values once, at its padded row, and writes t
 
     dq[r, h, :] = (dq_acc[rows[r], h, :] * scale).to(dtype)
 
-Memory-bound, no TMA, `bwd_preprocess`'s layout: a CTA of 128 threads takes `tile_m` (row, head)
+Memory-bound, no TMA, `bwd_preprocess`'s layout (`row_lanes`): a CTA of 128 threads takes `tile_m` (row, head)
 pairs in (row, head) order (the output's, so its stores are coalesced), `threads_per_row`
 consecutive lanes per pair, each lane 8 columns per step (two 128-bit loads, one 128-bit store).
 
@@ -26,7 +26,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64
 
-UNIT = 8  # columns per step: one 128-bit store of 16-bit values
+from .bwd_preprocess import UNIT, row_lanes
+
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 
 
@@ -36,14 +37,9 @@ class DqGatherSm90:
     threads_per_row pairs per CTA, each lane ceil(d / 8 / threads_per_row) steps."""
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int):
-        if head_dim % UNIT or not 0 < head_dim <= 256:
-            raise ValueError(f"head_dim must be a multiple of {UNIT} in [8, 256], got {head_dim}")
+        self.units, self.threads_per_row, self.tile_m, self.units_per_thread = row_lanes("head_dim", head_dim)
         self.dtype = dtype
         self.head_dim = head_dim
-        self.units = head_dim // UNIT
-        self.threads_per_row = 1 << (min(16, self.units).bit_length() - 1)
-        self.tile_m = 128 // self.threads_per_row
-        self.units_per_thread = -(-self.units // self.threads_per_row)
 
     @cute.jit
     def __call__(
