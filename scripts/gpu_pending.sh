@@ -110,3 +110,13 @@ if [ "$part" = 4 ]; then
     grep -h "auto\` | " "$OUT"/paper/*.md
     exit 0
 fi
+
+if [ "$part" = 6 ]; then
+    # Session 29: the backward presets with VARLEN_DQ_GATHER and WIDE_ROTATE on.
+    timeout 280 python -m hopper_fmha bench --preset backward --dtype float16 bfloat16 --out "$OUT/bwd" > "$OUT/bwd.log" 2>&1
+    echo "backward rc=$?"; grep -h "auto\` | \(bwd\|fwd+bwd\)" "$OUT"/bwd/*.md
+    timeout 280 python -m hopper_fmha bench --preset backward-features --out "$OUT/bwdf" > "$OUT/bwdf.log" 2>&1
+    echo "backward-features rc=$?"; grep -h "auto\` | \(bwd\|fwd+bwd\)" "$OUT"/bwdf/*.md
+    tar czf "$OUT/presets6.tar.gz" -C "$OUT" bwd bwdf && rm -rf "$OUT/bwd" "$OUT/bwdf"
+    exit 0
+fi

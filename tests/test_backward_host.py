@@ -539,7 +539,27 @@ def varlen_kernels(monkeypatch):
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
     stub_preprocess(monkeypatch)
+    stub_dq_gather(monkeypatch, [])
     return launches, keys
+
+
+def stub_dq_gather(monkeypatch, calls):
+    """`dq_gather`'s kernel replaced by a torch stand-in behind its binding's checks; `calls` gets
+    each launch's scale."""
+    from hopper_fmha.kernels import dq_gather
+
+    def compile_dq_gather(dtype_name, d):
+        fake = dq_gather.fake_arguments(dtype_name, d)
+
+        def run(acc, rows, dq, scale):
+            assert_binds(fake[:3], (acc, rows, dq), "dq_gather")
+            calls.append(scale)
+            dq.copy_((acc[rows] * scale).to(dq.dtype))
+
+        return run
+
+    monkeypatch.setattr(dq_gather, "_compiled", {})
+    monkeypatch.setattr(dq_gather, "compile_dq_gather", compile_dq_gather)
 
 
 def varlen_inputs(lengths_q, lengths_k, heads=4, kv_heads=2, d=64, dtype=torch.bfloat16, dv=None, **features):
@@ -955,23 +975,10 @@ def test_sass_hashes_configurations_bind_to_compile_bwd():
 def test_varlen_dq_gather_kernel(varlen_kernels, monkeypatch, unscaled):
     """`VARLEN_DQ_GATHER`: dq from `dq_gather`'s kernel (here a torch stand-in behind its
     binding's checks) equals torch's cast-then-gather bit for bit (one fp32 product, rounded once)."""
-    from hopper_fmha.kernels import dq_gather
-
     calls = []
-
-    def compile_dq_gather(dtype_name, d):
-        fake = dq_gather.fake_arguments(dtype_name, d)
-
-        def run(acc, rows, dq, scale):
-            assert_binds(fake[:3], (acc, rows, dq), "dq_gather")
-            calls.append(scale)
-            dq.copy_((acc[rows] * scale).to(dq.dtype))
-
-        return run
-
-    monkeypatch.setattr(dq_gather, "_compiled", {})
-    monkeypatch.setattr(dq_gather, "compile_dq_gather", compile_dq_gather)
+    stub_dq_gather(monkeypatch, calls)
     monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", unscaled)
+    monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_GATHER", False)
     lq, lk = [70, 0, 1, 130], [90, 5, 0, 128]
     q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs(lq, lk)
     args = (q, k, v, out, dout, lse, cu_q, cu_k, 130, 128, 64**-0.5, False)

@@ -762,21 +762,22 @@ def test_dq_writer_with_fragments(hopper_gpu, dq_writer, monkeypatch):
         test_deterministic_is_bitwise_reproducible(hopper_gpu, True, d)
 
 
-# The varlen dQ's scale, cast and gather by one kernel (`sm90_bwd.VARLEN_DQ_GATHER`, built in
-# session 28, off until run): every varlen case at d64 and d128 (tiles 128, 80, 64), MHA and GQA,
+# The varlen dQ's scale, cast and gather by one kernel (`sm90_bwd.VARLEN_DQ_GATHER`) is on since
+# session 29 (`test_varlen_backward` runs it); torch's cast-then-gather path it replaced, still
+# there behind the switch, here: every varlen case at d64 and d128 (tiles 128, 80, 64), MHA and GQA,
 # a padded head dim, fp16 and bf16 and deterministic.
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
 @pytest.mark.parametrize("d", [64, 128, 96])
 @pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
-def test_varlen_dq_gather(hopper_gpu, monkeypatch, dtype, deterministic, d, case, heads):
+def test_varlen_dq_torch_path(hopper_gpu, monkeypatch, dtype, deterministic, d, case, heads):
     from hopper_fmha.kernels import sm90_bwd
 
-    monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_GATHER", True)
+    monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_GATHER", False)
     test_varlen_backward(hopper_gpu, dtype, deterministic, d, case, heads)
 
 
-# The wide kernel's rotated deterministic walk (`sm90_bwd.WIDE_ROTATE`, session 28, off until run):
+# The wide kernel's rotated deterministic walk (`sm90_bwd.WIDE_ROTATE`, on since session 29):
 # deterministic, no causal or window; each case's gradients by the reference and twice bitwise
 # equal, 100 bitwise repeats at d256, the varlen call.
 @pytest.fixture

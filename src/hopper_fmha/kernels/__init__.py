@@ -229,7 +229,6 @@ def decode_tile(key: KernelKey, rows: int) -> KernelKey:
     (O's shared-memory buffer chosen again for the smaller tile); else `key`."""
     if DECODE_TILE_M is None or rows > DECODE_TILE_M or key.tile_m <= DECODE_TILE_M:
         return key
-    kd, kdv = kernel_head_dims(key.head_dim, key.head_dim_v or key.head_dim)
     if (key.window or key.softcap) and not DECODE_TILE_FEATURES:
         return key  # not run on a GPU at 64 rows yet
     return _at_decode_tile(key, DECODE_TILE_M, DECODE_TILE_DIMS)

@@ -612,9 +612,10 @@ def cast_dq(dq_acc, dtype, scale: float | None):
 
 # The varlen backward's dQ: scaled, cast and gathered to the packed rows by one kernel
 # (`dq_gather`) instead of torch's cast of every padded row and a gather of the 16-bit result
-# (H100, session 28, the backward-features preset's varlen cell: 0.52 + 0.33 ms of 14.7). Built in
-# session 28 without a GPU; predicted about -0.35 ms there (+2%). Off until run.
-VARLEN_DQ_GATHER = False
+# (H100, session 28, the backward-features preset's varlen cell: 0.52 + 0.33 ms of 14.7). Predicted
+# -0.35 ms there (+2%); measured (H100, session 29, `scripts/trace_calls.py`, eager ms per call,
+# off / on / off): 14.64 / 14.02 / 14.40, causal 8.90 / 8.50 / 8.96 (-3.5%, -4.8%). On.
+VARLEN_DQ_GATHER = True
 
 
 # v2's query tile at d64: 64, or 128 (FA4's d64 tile: twice the GEMM work per step for the same
@@ -655,10 +656,11 @@ def rotates(
     return -(-seqlen_k // keys) <= _sm_count(device)
 
 
-# The wide kernel's deterministic mode walks rotated too (`rotates` with its keys per CTA; session 28,
-# built without a GPU, off until run). Prediction: deterministic d256 at 67-77% of the plain
-# backward (H100, v28) -> 80-90%, as the rotation did for the d128 kernel (NOTES "v23").
-WIDE_ROTATE = False
+# The wide kernel's deterministic mode walks rotated too (`rotates` with its keys per CTA; session 28).
+# Predicted deterministic d256 at 67-77% of the plain backward (H100, v28) -> 80-90%. Measured (H100,
+# session 29, `bwd_profile --wide --deterministic`, bf16 B4 N4096, TFLOP/s off / on / off): d256 H8
+# 195.6 / 203.2 / 197.0 (+3.5%, short of the prediction), d192/dv128 H16 301.3 / 331.0 / 290.9. On.
+WIDE_ROTATE = True
 
 
 def keys_per_cta(head_dim: int, head_dim_v: int) -> int:
