@@ -66,7 +66,7 @@ def main() -> None:
         times = {False: [], True: []}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for r in range(args.rounds):
-            for on in ((False, True) if r % 2 == 0 else (True, False)):
+            for on in (False, True) if r % 2 == 0 else (True, False):
                 graphs[on].replay()  # untimed: the clock settles on this kernel
                 start.record()
                 for _ in range(args.reps):
