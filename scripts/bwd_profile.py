@@ -71,6 +71,7 @@ def main():
         ("--dq-at-cast", "dQ's softmax scale applied as the host casts dQacc (sm90_bwd.DQ_SCALE_AT_CAST)"),
         ("--dq-fragments", "dQ staged and added in fragment order (sm90_bwd.DQ_FRAGMENTS)"),
         ("--dq-writer", "deterministic: turns and dQ adds by a warp of their own (sm90_bwd.DQ_WRITER_WARP)"),
+        ("--dq-writer-plain", "not deterministic: dQ adds by the writer warp (sm90_bwd.DQ_WRITER_PLAIN)"),
         ("--wide-rotate", "deterministic: the wide kernel's rotated walk (sm90_bwd.WIDE_ROTATE)"),
     ):
         parser.add_argument(switch, choices=("on", "off"), default=None, help=f"{what}, or not")
@@ -97,6 +98,8 @@ def main():
         sm90_bwd.DQ_FRAGMENTS = args.dq_fragments == "on"
     if args.dq_writer is not None:
         sm90_bwd.DQ_WRITER_WARP = args.dq_writer == "on"
+    if args.dq_writer_plain is not None:
+        sm90_bwd.DQ_WRITER_PLAIN = args.dq_writer_plain == "on"
     if args.wide_rotate is not None:
         sm90_bwd.WIDE_ROTATE = args.wide_rotate == "on"
     if args.wide:

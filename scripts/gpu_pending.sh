@@ -120,3 +120,36 @@ if [ "$part" = 6 ]; then
     tar czf "$OUT/presets6.tar.gz" -C "$OUT" bwd bwdf && rm -rf "$OUT/bwd" "$OUT/bwdf"
     exit 0
 fi
+
+if [ "$part" = 7 ]; then
+    # Session 29: the writer warp without deterministic mode (sm90_bwd.DQ_WRITER_PLAIN), alone and
+    # with dQ in fragment order: its tests, an A/B (bwd_profile), the backward preset (fp16) with
+    # both on at every tile; the 64-row decode tile with features / at 192/128 (decode_tile_ab.py).
+    python scripts/gpu_tier.py --out /tmp/pending-tier7 --archive "$OUT/tier7.tar.gz" --procs 15 --budget 150 \
+        --stall 100 --chunked -k "writer_plain" tests/test_gpu_backward.py > "$OUT/tier7.log" 2>&1
+    tail -2 "$OUT/tier7.log"
+    grep -h "^FAILED" /tmp/pending-tier7/report*.txt | head -20
+    # (writer, fragments): the default first (fragments on at d64's tile 128 only)
+    d128=("off off" "on on" "on off" "off off" "on on")
+    d64=("off on" "on on" "off on" "on on")
+    for args in "--d 128 --heads 16" "--d 128 --heads 16 --causal" "--d 64 --heads 32" "--d 64 --heads 32 --causal"; do
+        if [ "${args:4:2}" = 64 ]; then runs=("${d64[@]}"); else runs=("${d128[@]}"); fi
+        for r in "${runs[@]}"; do
+            set -- $r
+            timeout 60 python scripts/bwd_profile.py $args --versions 2 --dq-writer-plain $1 --dq-fragments $2 \
+                2>&1 | grep TFLOP | sed "s/\$/  (writer $1, fragments $2)/"
+        done
+    done | tee "$OUT/writer_plain.txt"
+    timeout 180 python -c "
+import sys
+from hopper_fmha.kernels import sm90_bwd
+sm90_bwd.DQ_WRITER_PLAIN = True
+sm90_bwd.DQ_FRAGMENTS = True
+from hopper_fmha.cli import main
+sys.exit(main(['bench', '--preset', 'backward', '--dtype', 'float16', '--out', '$OUT/bwd7', '--tag', 'writer-fragments']))
+" > "$OUT/bwd7.log" 2>&1
+    echo "backward (writer + fragments) rc=$?"; grep -h "auto\` | \(bwd\|fwd+bwd\)" "$OUT"/bwd7/*.md
+    timeout 100 python scripts/decode_tile_ab.py --rounds 4 2>&1 | tee "$OUT/decode_tile_ab.txt" | grep "ms\|Error"
+    tar czf "$OUT/presets7.tar.gz" -C "$OUT" bwd7 && rm -rf "$OUT/bwd7"
+    exit 0
+fi

@@ -331,6 +331,32 @@ def test_dq_writer_warp_only_where_deterministic(kernels, monkeypatch, causal):
     assert keys[-1][1] == 256 and keys[-1][16] is True
 
 
+def test_dq_writer_plain_asks_for_the_writer(kernels, monkeypatch):
+    # `DQ_WRITER_PLAIN` (session 29): non-deterministic v2 calls at its tiles ask for the writer
+    # warp (key element 16); not the wide kernel; off: deterministic calls only.
+    import hopper_fmha.backward as host
+
+    _, keys = kernels
+    q, k, v, out, dout, lse = inputs(sq=150, sk=170, kv_heads=2, d=128)
+    wide = [torch.nn.functional.pad(t, (0, 128)) for t in (q, k, v, out, dout)]
+    for plain in ((), (64, 80), True):
+        monkeypatch.setattr(sm90_bwd, "DQ_WRITER_PLAIN", plain)
+        sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, False)
+        assert keys[-1][11] == 80 and keys[-1][16] is bool(plain)
+    monkeypatch.setattr(host, "WIDE_BACKWARD", True)
+    sm90_bwd.backward(*wide, lse, 0.1, False)
+    assert keys[-1][1] == 256 and keys[-1][11] == 64 and keys[-1][16] is False
+
+
+@pytest.mark.parametrize("plain", [(), (64, 80), True])
+def test_varlen_dq_writer_plain(varlen_kernels, monkeypatch, plain):
+    _, keys = varlen_kernels
+    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_PLAIN", plain)
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 33], [90, 5, 40], causal=True)
+    sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 70, 90, 64**-0.5, True)
+    assert keys[-1][11] == 128 and keys[-1][16] is (plain is True)  # (d64's tile 128: not in (64, 80))
+
+
 def test_varlen_dq_writer_warp(varlen_kernels, monkeypatch):
     launches, keys = varlen_kernels
     monkeypatch.setattr(sm90_bwd, "DQ_WRITER_WARP", True)

@@ -762,6 +762,50 @@ def test_dq_writer_with_fragments(hopper_gpu, dq_writer, monkeypatch):
         test_deterministic_is_bitwise_reproducible(hopper_gpu, True, d)
 
 
+# ---- the writer warp without deterministic mode (`sm90_bwd.DQ_WRITER_PLAIN`, session 29) ----
+
+
+@pytest.fixture
+def dq_writer_plain(monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_PLAIN", True)
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["swizzled", "fragments"])
+@pytest.mark.parametrize(
+    "seqlens", [(3, 3), (239, 1), (799, 131), (1023, 1024)], ids=["3x3", "239x1", "799x131", "1023x1024"]
+)
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("tile", list(FRAGMENT_TILES))
+def test_dq_writer_plain(hopper_gpu, dq_writer_plain, monkeypatch, tile, heads, seqlens, fragments):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
+    d, causal, tile_m = FRAGMENT_TILES[tile]
+    assert sm90_bwd.query_tile(2, d, masked=causal) == tile_m
+    test_backward_matches_reference(hopper_gpu, 2, torch.bfloat16, d, causal, seqlens, heads)
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["swizzled", "fragments"])
+@pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=["113x203", "1023x1024"])
+@pytest.mark.parametrize("feature", ["both", "softcap-causal", "all"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_writer_plain_score_features(
+    hopper_gpu, dq_writer_plain, monkeypatch, d, feature, seqlens, fragments
+):  # noqa: E501
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
+    test_score_features_backward(hopper_gpu, torch.float16, False, d, feature, seqlens, "gqa")
+
+
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_writer_plain_varlen(hopper_gpu, dq_writer_plain, d, case):
+    test_varlen_backward(hopper_gpu, torch.bfloat16, False, d, case, "gqa")
+
+
 # The varlen dQ's scale, cast and gather by one kernel (`sm90_bwd.VARLEN_DQ_GATHER`) is on since
 # session 29 (`test_varlen_backward` runs it); torch's cast-then-gather path it replaced, still
 # there behind the switch, here: every varlen case at d64 and d128 (tiles 128, 80, 64), MHA and GQA,

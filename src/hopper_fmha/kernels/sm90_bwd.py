@@ -549,6 +549,22 @@ def tile_switch(switch, tile_m: int) -> bool:
 # B4 N4096, `bwd_profile`, off -> on): d128 355 -> 474 TFLOP/s, d128 causal 286 -> 380, d64 causal
 # 268 -> 369 (the plain backward: 530, 430). Part of the compile key.
 DQ_WRITER_WARP = True
+# The same warp without deterministic mode (FA4's design in both modes): the consumers stage dQ and
+# go on; the writer warp issues both warpgroups' reduce-adds and waits for their reads, in place of
+# each consumer warpgroup's first warp (issue, then a bulk-group wait and a warpgroup sync before
+# the next staging). Static SASS (session 29, d128 bf16, against FA4's `flash_bwd_sm90`): the
+# issue costs warp 0 of each consumer warpgroup 33-36 more instructions per block than warps 1-3.
+# The dense kernels' query tiles where it is on (`tile_switch`; the varlen kernel too; not the wide
+# kernel). Built in session 29; off until measured. Part of the compile key.
+DQ_WRITER_PLAIN: tuple[int, ...] | bool = ()
+
+
+def dq_writer(deterministic: bool, tile_m: int, wide: bool = False) -> bool:
+    """Whether v2's dQ adds go through the writer warp: deterministic (`DQ_WRITER_WARP`), or plain
+    at `DQ_WRITER_PLAIN`'s tiles (dense head dims only)."""
+    if deterministic:
+        return DQ_WRITER_WARP
+    return tile_switch(DQ_WRITER_PLAIN, tile_m) and not wide
 
 
 def fragment_dims(tile_m: int, head_dim: int):
@@ -871,7 +887,7 @@ def backward(
     if deterministic:
         sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
     rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device, d, d_v)
-    writer = DQ_WRITER_WARP and bool(deterministic) and version == 2
+    writer = dq_writer(bool(deterministic), tile_m, wide) and version == 2
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
     key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer)
     fn = _compiled.get(key)
@@ -1010,7 +1026,7 @@ def backward_varlen(
         dq_unscaled,
         False,  # dq_fragments: dense only
         d_v,
-        DQ_WRITER_WARP and bool(deterministic),
+        dq_writer(bool(deterministic), tile_m, d > HEAD_DIMS[-1]),
     )
     fn = _compiled.get(key)
     if fn is None:

@@ -110,8 +110,8 @@ BARRIER_DKV = 5  # both consumer warpgroups: sK, sV free for dK, dV / dK, dV wri
 # `sm90_bwd_wide`'s: both consumer warpgroups' GEMMs of a block have read its one sP/sdS buffer. The
 # named barriers of both kernels are numbered here, so that no id meets with two thread counts.
 BARRIER_PDS_FREE = 6
-# `dq_writer` (deterministic): both consumer warpgroups' dQ parts are staged / the writer warp has
-# read them (consumers 256 threads + the writer's 32).
+# `dq_writer`: both consumer warpgroups' dQ parts are staged / the writer warp has read them
+# (consumers 256 threads + the writer's 32).
 BARRIER_DQ_FULL = 7
 BARRIER_DQ_EMPTY = 8
 DQ_WRITER_THREADS = NUM_MMA_THREADS + 32
@@ -162,9 +162,9 @@ class BwdWsSm90(BwdSm90):
         blocks), and the turns at block m go in the order the CTAs reach it (`turn`). The host
         sets it only where a head's key blocks fit on the GPU at once (`sm90_bwd.rotates`): the
         order has one wrap-around wait on a later-launched CTA.
-        dq_writer (deterministic): the turns are waited for and passed, and dQ's reduce-adds
-        issued, by a warp of its own (the producer warpgroup's second, `write_dq`); the consumer
-        warpgroups only stage dQ and go on (`sm90_bwd.DQ_WRITER_WARP`)."""
+        dq_writer: dQ's reduce-adds are issued (deterministic: the turns waited for and passed)
+        by a warp of its own (the producer warpgroup's second, `write_dq`); the consumer
+        warpgroups only stage dQ and go on (`sm90_bwd.DQ_WRITER_WARP`, `DQ_WRITER_PLAIN`)."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -188,7 +188,6 @@ class BwdWsSm90(BwdSm90):
         # dQ leaves in fragment order (`stage_dq`, `issue_dq`): dense (`sm90_bwd.DQ_FRAGMENTS`).
         assert not (dq_fragments and varlen), "dq_fragments: dense"
         self.dq_fragments = dq_fragments
-        assert not dq_writer or deterministic, "dq_writer: deterministic mode"
         self.dq_writer = dq_writer
         # dQ per warpgroup: 64 rows x d / 2 columns (tile_m 64), or 64 of the 128 rows x d.
         self.dq_by_rows = tile_m == 2 * TILE_M
@@ -902,24 +901,27 @@ class BwdWsSm90(BwdSm90):
         self, sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, n_block, head, batch, m_min, m_max, walk
     ):
         """`dq_writer`'s warp (the producer warpgroup's second): per query block of the walk, once
-        both consumer warpgroups have staged their dQ parts (`BARRIER_DQ_FULL`), wait for the
-        CTA's turn, add both parts into dQacc, hand the buffers back once read
-        (`BARRIER_DQ_EMPTY`, not after the last block, whose staging nobody waits for), and pass
-        the turn once the adds are complete. The consumers wait for a turn no more: only for the
-        buffers, one block later."""
+        both consumer warpgroups have staged their dQ parts (`BARRIER_DQ_FULL`), (deterministic:
+        wait for the CTA's turn,) add both parts into dQacc, hand the buffers back once read
+        (`BARRIER_DQ_EMPTY`, not after the last block, whose staging nobody waits for), and
+        (deterministic) pass the turn once the adds are complete. The consumers wait for neither
+        a turn nor a bulk group: only for the buffers, one block later."""
         lane = cute.arch.lane_idx()
         for i in cutlass.range(m_min, m_max, unroll=1):
             m_block = self.walk_block(i, m_min, m_max, walk)
-            turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)  # (before the wait)
-            sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+            if const_expr(self.deterministic):
+                turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)  # (before the wait)
+                sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
             cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=DQ_WRITER_THREADS)
-            if lane == 0:
-                seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
-                while seen != turn:
+            if const_expr(self.deterministic):
+                if lane == 0:
                     seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
-            cute.arch.sync_warp()
-            # The turn was acquired by a generic-proxy load; the reduce-adds are async-proxy writes.
-            cute.arch.fence_proxy("async.global")
+                    while seen != turn:
+                        seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
+                cute.arch.sync_warp()
+                # The turn was acquired by a generic-proxy load; the reduce-adds are async-proxy
+                # writes.
+                cute.arch.fence_proxy("async.global")
             for wg in cutlass.range_constexpr(2):
                 if const_expr(self.dq_fragments):
                     if lane == 0:
@@ -931,12 +933,13 @@ class BwdWsSm90(BwdSm90):
             cute.arch.sync_warp()
             if i + 1 < m_max:
                 cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_EMPTY, number_of_threads=DQ_WRITER_THREADS)
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
-            cute.arch.fence_proxy("async.global")  # the adds' writes before the turn's release
-            cute.arch.sync_warp()
-            if lane == 0:
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+            if const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_proxy("async.global")  # the adds' writes before the turn's release
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def add_dq_at_turn(
