@@ -37,6 +37,9 @@ MORE = {
     ),
     "fragments-d128-causal-tile64": dict(head_dim=128, causal=True, tile_m=64, mha=True, dq_fragments=True),
     "fragments-d64-tile128": dict(head_dim=64, causal=False, tile_m=128, mha=True, dq_fragments=True),
+    "writer-plain-d128-tile80": dict(
+        head_dim=128, causal=False, tile_m=80, mha=True, dq_writer=True, dq_unscaled=True
+    ),
     "wide-256": dict(head_dim=256, causal=False),
     "wide-256-causal-deterministic": dict(head_dim=256, causal=True, deterministic=True),
     "wide-192-128": dict(head_dim=192, head_dim_v=128, causal=False),

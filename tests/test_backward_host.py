@@ -314,6 +314,7 @@ def test_dq_writer_warp_only_where_deterministic(kernels, monkeypatch, causal):
 
     launches, keys = kernels
     monkeypatch.setattr(sm90_bwd, "DQ_WRITER_WARP", True)
+    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_PLAIN", ())  # (atomic calls: `test_dq_writer_plain_...`)
     q, k, v, out, dout, lse = inputs(sq=150, sk=170, kv_heads=2, d=128)
     if causal:
         out, lse = reference(q, k, v, 128**-0.5, True)

@@ -169,16 +169,16 @@ def test_pack_gqa_for_decode(cpu_kernel):
 
 
 def test_decode_tiles_take_one_consumer_warpgroup(monkeypatch):
-    """Tiles of at most 64 query rows (seqlen_q x the packed group; DECODE_TILE_DIMS, no window or
-    softcap) run at tile_m 64 without pingpong, O's buffer chosen for that tile; more rows keep
-    the table's tile."""
+    """Tiles of at most 64 query rows (seqlen_q x the packed group; DECODE_TILE_DIMS; a window or
+    softcap with DECODE_TILE_FEATURES) run at tile_m 64 without pingpong, O's buffer chosen for
+    that tile; more rows keep the table's tile."""
     from hopper_fmha import config, kernels
     from hopper_fmha.kernels.cache import KernelKey
 
-    cfg = config.launch_config(config.select_config(192, "ws", None, 128), False, 1)
+    cfg = config.launch_config(config.select_config(192, "ws", None, 192), False, 1)
     wide = KernelKey.from_config("bfloat16", False, cfg)._replace(pack_gqa=4, cluster_m=1)
-    assert kernels.decode_tile(wide, 4) is wide  # not run on a GPU at 64 rows
-    for d, dv in ((64, 64), (128, 128), (256, 256)):
+    assert kernels.decode_tile(wide, 4) is wide  # (192, 192): not run on a GPU at 64 rows
+    for d, dv in ((64, 64), (128, 128), (256, 256), (192, 128)):
         cfg = config.launch_config(config.select_config(d, "ws", None, dv), False, 1)
         key = KernelKey.from_config("bfloat16", False, cfg)._replace(pack_gqa=4, cluster_m=1)
         small = kernels.decode_tile(key, 64)
@@ -186,10 +186,10 @@ def test_decode_tiles_take_one_consumer_warpgroup(monkeypatch):
         assert small.tile_n == key.tile_n and small.num_stages == key.num_stages
         assert small.split_o == config.ws_split_o(d, 64, key.tile_n, key.num_stages, key.mma_rowsum, dv)
         assert kernels.decode_tile(key, 65) is key
+        monkeypatch.setattr(kernels, "DECODE_TILE_FEATURES", False)
         assert kernels.decode_tile(key._replace(softcap=True), 1).tile_m == key.tile_m
         monkeypatch.setattr(kernels, "DECODE_TILE_FEATURES", True)
         assert kernels.decode_tile(key._replace(softcap=True, window="left"), 1).tile_m == 64
-        monkeypatch.setattr(kernels, "DECODE_TILE_FEATURES", False)
         monkeypatch.setattr(kernels, "DECODE_TILE_M", None)
         assert kernels.decode_tile(key, 1) is key
         monkeypatch.setattr(kernels, "DECODE_TILE_M", 64)

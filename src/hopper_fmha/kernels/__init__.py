@@ -55,11 +55,14 @@ SCHEDULES = ("auto", "persistent", "single")
 # 28, ms per call, tile 128 -> 64): the decode preset's B64 L8192 q1 0.7012 -> 0.6990, B1 L131072
 # (split-KV) 0.1841 -> 0.1813, q4 causal 0.7144 -> 0.7115 (NOTES "v28"). None: the table's.
 DECODE_TILE_M: int | None = 64
-# The kernel head dims it applies to: those tests/test_gpu_kvcache.py runs (with the sink, without
-# a window or softcap), not (192, 128) or (192, 192) yet.
-DECODE_TILE_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256))
-# And with a window or softcap (`test_kvcache_features_and_192` runs them at 64 rows; not yet run).
-DECODE_TILE_FEATURES = False
+# The kernel head dims it applies to: those the KV-cache GPU tests run at 64 rows
+# (tests/test_gpu_kvcache.py; (192, 128): `test_kvcache_features_and_192`), not (192, 192).
+DECODE_TILE_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128))
+# And with a window or softcap (`test_kvcache_features_and_192`, passed on an H100 in session 29).
+# `scripts/decode_tile_ab.py` (H100, session 29, B64 L8192 H32/8 bf16 q1, ms per call, table's tile
+# -> 64 rows): softcap 30 0.7091 -> 0.7014, window 4096/0 0.3718 -> 0.3671, d192/dv128 0.8970 ->
+# 0.8867, d192/dv128 softcap 0.9011 -> 0.8905 (-1.1 to -1.3%; outputs bitwise equal).
+DECODE_TILE_FEATURES = True
 # KernelKey fields a KV-cache launch sets over the table's and the rules above, e.g.
 # {"num_stages": 3}: for measurement (`scripts/sustained.py`'s `kv:` backends); empty by default.
 KVCACHE_SWITCHES: dict = {}

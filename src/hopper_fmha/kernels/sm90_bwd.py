@@ -554,9 +554,14 @@ DQ_WRITER_WARP = True
 # each consumer warpgroup's first warp (issue, then a bulk-group wait and a warpgroup sync before
 # the next staging). Static SASS (session 29, d128 bf16, against FA4's `flash_bwd_sm90`): the
 # issue costs warp 0 of each consumer warpgroup 33-36 more instructions per block than warps 1-3.
-# The dense kernels' query tiles where it is on (`tile_switch`; the varlen kernel too; not the wide
-# kernel). Built in session 29; off until measured. Part of the compile key.
-DQ_WRITER_PLAIN: tuple[int, ...] | bool = ()
+# The instructions did not set the time: H100 session 29, `bwd_profile` bf16 B4 N4096 TFLOP/s (default
+# -> writer / writer with DQ_FRAGMENTS): d128 tile 80 524 545 537 537 -> 557 552 552 / 540 540 539 536;
+# d128 causal tile 64 447 447 -> 433 / 443 443; d64 tile 128 (fragments on) 473 456 -> 462 458,
+# causal 367 396 -> 399 400 (noise); the backward preset (fp16) with writer and fragments at every
+# tile: d128 508 -> 529, causal 432 -> 419 TFLOP/s. On at tile 80 alone (d128 without causal, window
+# or softcap: +2.8%). The query tiles where it is on (`tile_switch`; the varlen kernel's too; never
+# the wide kernel's). Part of the compile key.
+DQ_WRITER_PLAIN: tuple[int, ...] | bool = (80,)
 
 
 def dq_writer(deterministic: bool, tile_m: int, wide: bool = False) -> bool:
