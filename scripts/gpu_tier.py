@@ -12,9 +12,9 @@ test failed or hung, 2 if the budget ran out (the unfinished processes are stopp
 Tests go out in collection order: neighbours, which often share a kernel, start on different
 processes at about the same time (the whole of tests/test_gpu_kernels.py, 2384 tests, took 212 s
 with 13 processes on the H200, 2026-11-24).
-`--chunked` deals contiguous runs of tests instead, for kernels without a disk cache (the
-backward's: each process compiles every kernel its tests need, so neighbours that share one are
-better kept together).
+`--chunked` deals contiguous runs of tests instead, so that neighbours that share a kernel stay in
+one process (written for the backward's kernels before they had a disk cache, session 29; still
+useful where many processes would compile the same kernel at once).
 `--archive` packs the folder into one .tar.gz (the device tool brings back at most 8 files).
 
     python scripts/gpu_tier.py --out /tmp/tier --archive $OUT/tier.tar.gz --procs 6 --budget 540 \

@@ -53,6 +53,20 @@ def pytest_collection_modifyitems(config, items):
                     item.add_marker(skip_compile)
 
 
+@pytest.fixture(scope="session")
+def _session_kernel_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernel-cache")
+
+
+@pytest.fixture(autouse=True)
+def _private_kernel_cache(request, monkeypatch, _session_kernel_cache):
+    """Tests without the GPU keep compiled kernels in a disk cache of this session's own: host
+    tests stand in for kernels by patching their compile functions, which a kernel a GPU run
+    saved under ~/.cache (or $HOPPER_FMHA_CACHE_DIR) must not bypass. GPU tests use the user's."""
+    if "hopper_gpu" not in request.fixturenames:
+        monkeypatch.setenv("HOPPER_FMHA_CACHE_DIR", str(_session_kernel_cache))
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules of small CPU problems (`pytest.mark.usefixtures`): one torch thread is faster

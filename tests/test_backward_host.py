@@ -992,7 +992,7 @@ def test_sass_hashes_configurations_bind_to_compile_bwd():
     spec.loader.exec_module(module)
     signature = inspect.signature(sm90_bwd.compile_bwd)
     configs = {**module.DENSE, **module.MORE}
-    assert len(configs) == 16
+    assert len(configs) == 17
     for name, kwargs in configs.items():
         signature.bind("bfloat16", **kwargs)  # raises TypeError on a name compile_bwd lacks
         assert kwargs["head_dim"] in (64, 128, 192, 256), name
@@ -1035,3 +1035,22 @@ def test_rotation_needs_a_heads_key_blocks_resident(monkeypatch):
             assert not sm90_bwd.rotates(*args, sms * tile_n + 1, cpu, *dims)
             assert not sm90_bwd.rotates(True, 2, True, -1, -1, tile_n, cpu, *dims)  # causal
             assert not sm90_bwd.rotates(False, 2, False, -1, -1, tile_n, cpu, *dims)
+
+
+def test_disk_cache_names_follow_the_build_constants(kernels, monkeypatch):
+    # `cache.build_name`: a kernel module's constant changed in-process (here dK/dV's TMA tiles)
+    # names another kernel, so a kernel built before the change is not loaded after it; the
+    # stand-ins of these host tests are not written to the disk cache.
+    from hopper_fmha.kernels import cache, sm90_bwd_wide, sm90_bwd_ws
+
+    key = ("bfloat16", 128, False, False, 2, True, False, False, False, False, False, 80, False, True, False)
+    key += (128, True)
+    modules = (sm90_bwd, sm90_bwd_ws, sm90_bwd_wide)
+    before = cache.build_name("bwd", key, *modules)
+    assert before == cache.build_name("bwd", key, *modules) and before.startswith("bwd_")
+    assert cache.build_name("bwd", key[:-1] + (False,), *modules) != before
+    monkeypatch.setattr(sm90_bwd_ws, "DKV_TMA_TILES", (64,))
+    assert cache.build_name("bwd", key, *modules) != before
+    q, k, v, out, dout, lse = inputs(sq=70, sk=90, kv_heads=2, d=64)
+    sm90_bwd.backward(q, k, v, out, dout, lse, 0.125, False)
+    assert not list(cache.cache_dir().glob("*.o"))

@@ -65,3 +65,42 @@ def test_dense_launch_passes_every_parameter():
         score_features(False, (3, 4), 0.0, None),
     )
     assert len(extra_arguments(key, score_features(False, (3, 4), 0.0, None), (None,) * 4)) == 12
+
+
+# The backward's kernels and the small ones (`cache.load_or_compile`, named by `cache.build_name`):
+# the same round trip, with the argument count their launches pass (TVM-FFI's environment stream
+# is not passed: one fewer than `fake_arguments`, as `binding_checked` in the host tests checks).
+def test_backward_kernel_from_disk_takes_the_launch_argument_count(tmp_path, monkeypatch):
+    from hopper_fmha.kernels import cache, sm90_bwd
+
+    monkeypatch.setenv("HOPPER_FMHA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sm90_bwd, "_compiled", {})
+    # version 1 at d64 (the quickest to compile), compile_bwd's positional arguments
+    key = ("bfloat16", 64, True, False, 1, True, False, False, False, False, False, 64, False, True, False)
+    key += (64, False)
+    sm90_bwd._kernel(key)
+    names = [p.name for p in cache.cache_dir().glob("bwd_*.o")]
+    assert len(names) == 1
+    assert cache.timings[names[0][:-2]][0] == "compile"
+    sm90_bwd._compiled.clear()
+    fn = sm90_bwd._kernel(key)
+    assert cache.timings[names[0][:-2]][0] == "disk" and sm90_bwd._compiled[key] is fn
+    fake = sm90_bwd.fake_arguments(sm90_bwd._DTYPES[key[0]], key[1], key[3], key[5], key[6], key[10], key[15])
+    assert "argument #0" in _count_error(fn, len(fake) - 1)
+    assert "parameters" in _count_error(fn, len(fake) - 2)
+
+
+def test_small_kernel_from_disk(tmp_path, monkeypatch):
+    import torch
+
+    from hopper_fmha.kernels import cache, dq_gather
+
+    monkeypatch.setenv("HOPPER_FMHA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dq_gather, "_compiled", {})
+    acc, rows = torch.zeros(4, 2, 64), torch.zeros(3, dtype=torch.int64)
+    for source in ("compile", "disk"):
+        dq_gather._compiled.clear()
+        with pytest.raises((TypeError, ValueError, RuntimeError)):  # CPU tensors, refused by the kernel
+            dq_gather.gather_dq(acc, rows, torch.bfloat16, 0.5)
+        (name,) = [p.name[:-2] for p in cache.cache_dir().glob("dq_gather_*.o")]
+        assert cache.timings[name][0] == source

@@ -21,6 +21,7 @@ lengths, heads and strides are runtime values.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import cuda.bindings.driver as cuda
@@ -28,6 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
+from .cache import build_name, load_or_compile
 from .sm90_common import LOG2_E
 
 UNIT = 8  # columns per 128-bit load of 16-bit values
@@ -171,6 +173,7 @@ def row_stats_kernel(out, dout, lse, dlse, delta, lse2) -> None:
     key = (str(out.dtype).removeprefix("torch."), out.shape[-1], dlse is not None)
     fn = _compiled.get(key)
     if fn is None:
-        fn = _compiled[key] = compile_preprocess(*key)
+        name = build_name("bwd_pre", key, sys.modules[__name__])
+        fn = _compiled[key] = load_or_compile(name, lambda: compile_preprocess(*key))
     if delta.numel():
         fn(out, dout, lse, dlse, delta, lse2)

@@ -1,7 +1,8 @@
 """Compiling kernels and caching them in memory and on disk.
 
-The disk cache holds TVM-FFI object files, one per `KernelKey`, under a folder whose name is a
-fingerprint of everything that changes generated code: this package's kernel sources and the
+The disk cache holds TVM-FFI object files, one per `KernelKey` (the forward kernels) or per
+`build_name` (the backward's, the combine's and the small kernels'), under a folder whose name is
+a fingerprint of everything that changes generated code: this package's kernel sources and the
 versions of nvidia-cutlass-dsl and apache-tvm-ffi. Writes are atomic (temp file + rename), so
 concurrent processes at worst compile the same kernel twice.
 """
@@ -121,7 +122,7 @@ _memory: dict[KernelKey, Any] = {}
 # The per-call lookup of `kernels.prepared_launch`: (id(config), torch dtype, causal) -> (config,
 # compiled kernel). Cleared with `_memory`.
 by_config: dict[tuple, tuple] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()
 # Seconds spent on the last compile or disk load of each key (for `info` and `bench --profile`).
 timings: dict[KernelKey, tuple[str, float]] = {}
 
@@ -322,24 +323,70 @@ def _load_runtime_libraries() -> None:
     _runtime_loaded = True
 
 
-def _load_from_disk(key: KernelKey, path: Path):
+def _load_from_disk(name: str, path: Path):
     import cutlass.cute as cute
 
     _load_runtime_libraries()
     module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
-    return getattr(module, key.slug())
+    return getattr(module, name)
 
 
-def _store_to_disk(key: KernelKey, fn, path: Path) -> None:
+def _store_to_disk(name: str, fn, path: Path) -> None:
+    export = getattr(fn, "export_to_c", None)
+    if export is None:  # a stand-in for a kernel (host tests): memory only
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".o", dir=path.parent)
     os.close(fd)
     try:
-        fn.export_to_c(tmp, function_name=key.slug())
+        export(tmp, function_name=name)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _disk_or_compile(name: str, compile_fn, timing_key):
+    """The kernel exported as `name`: loaded from this fingerprint's folder, else compiled by
+    `compile_fn()` and saved there; `timings[timing_key]` says which and how long."""
+    path = cache_dir() / f"{name}.o"
+    t0 = time.perf_counter()
+    if path.exists():
+        try:
+            fn = _load_from_disk(name, path)
+            timings[timing_key] = ("disk", time.perf_counter() - t0)
+            return fn
+        except Exception:  # a stale or truncated file: recompile and overwrite it
+            pass
+    fn = compile_fn()
+    timings[timing_key] = ("compile", time.perf_counter() - t0)
+    try:
+        _store_to_disk(name, fn, path)
+    except OSError:
+        pass  # a read-only cache dir costs a recompile next process, nothing else
+    return fn
+
+
+def build_name(prefix: str, key, *modules) -> str:
+    """A C identifier for a kernel outside `KernelKey` (the backward's, the combine's, the small
+    kernels'): `prefix` and a hash of its compile key and of the upper-case module-level values
+    of `modules`, the modules its code reads while it is built (tile sizes, stages, register
+    split, `DKV_TMA_TILES`...), so that a kernel built with one of them changed in-process
+    (measurements, tests) is never loaded for another. Callables (classes, functions) are left
+    out; every other value enters by its repr."""
+    h = hashlib.sha256(repr(key).encode())
+    for module in modules:
+        for name, value in sorted(vars(module).items()):
+            if name.lstrip("_").isupper() and not callable(value):
+                h.update(f"{module.__name__}.{name}={value!r};".encode())
+    return f"{prefix}_{h.hexdigest()[:24]}"
+
+
+def load_or_compile(name: str, compile_fn):
+    """A kernel outside `KernelKey` by its `build_name`: from this fingerprint's disk folder, else
+    compiled by `compile_fn()` (and saved). The caller keeps it in memory."""
+    with _lock:
+        return _disk_or_compile(name, compile_fn, name)
 
 
 def get_kernel(key: KernelKey):
@@ -351,23 +398,7 @@ def get_kernel(key: KernelKey):
         fn = _memory.get(key)
         if fn is not None:
             return fn
-        path = cache_dir() / f"{key.slug()}.o"
-        t0 = time.perf_counter()
-        fn = None
-        if path.exists():
-            try:
-                fn = _load_from_disk(key, path)
-                timings[key] = ("disk", time.perf_counter() - t0)
-            except Exception:  # a stale or truncated file: recompile and overwrite it
-                fn = None
-        if fn is None:
-            fn = compile_kernel(key)
-            timings[key] = ("compile", time.perf_counter() - t0)
-            try:
-                _store_to_disk(key, fn, path)
-            except OSError:
-                pass  # a read-only cache dir costs a recompile next process, nothing else
-        _memory[key] = fn
+        fn = _memory[key] = _disk_or_compile(key.slug(), lambda: compile_kernel(key), key)
         return fn
 
 

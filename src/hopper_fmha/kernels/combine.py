@@ -40,6 +40,7 @@ Host: `combine` (torch tensors; compiled kernels cached in memory by that key) a
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -48,6 +49,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from .cache import build_name, load_or_compile
 from .sm90_common import LN_2, LOG2_E
 
 # Split counts: `max_splits_for` rounds up to a power of two from MIN_MAX_SPLITS (a few kernels,
@@ -271,7 +273,8 @@ def get_combine(dtype_name: str, head_dim_v: int, max_splits: int):
         with _lock:
             fn = _compiled.get(key)
             if fn is None:
-                fn = _compiled[key] = compile_combine(*key)
+                name = build_name("combine", key, sys.modules[__name__])
+                fn = _compiled[key] = load_or_compile(name, lambda: compile_combine(*key))
     return fn
 
 

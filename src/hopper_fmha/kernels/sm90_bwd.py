@@ -40,6 +40,8 @@ float32; the semaphores (b, h, ceil(s_q / 64)) int32, deterministic mode only (e
 
 from __future__ import annotations
 
+import sys
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -517,6 +519,20 @@ def compile_bwd(
 
 
 _compiled: dict = {}
+
+
+def _kernel(key: tuple):
+    """The kernel of a compile key (`compile_bwd`'s arguments) not yet in `_compiled`: from the disk
+    cache (`cache.load_or_compile`, named by the key and the kernel modules' constants), else
+    compiled (and saved); kept in `_compiled`."""
+    from . import sm90_bwd_wide, sm90_bwd_ws
+    from .cache import build_name, load_or_compile
+
+    name = build_name("bwd", key, sys.modules[__name__], sm90_bwd_ws, sm90_bwd_wide)
+    fn = _compiled[key] = load_or_compile(name, lambda: compile_bwd(*key))
+    return fn
+
+
 # The softmax scale of dQ applied once, as the host casts dQacc to dQ (one fused multiply-and-cast,
 # `cast_dq`), instead of on every step's part before it is added: ncu (v25, d128 tile 80) counted
 # those multiplies as 35 M of the kernel's 488 M instructions, which FA4's (408 M) does not have.
@@ -895,9 +911,7 @@ def backward(
     writer = dq_writer(bool(deterministic), tile_m, wide) and version == 2
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
     key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer)
-    fn = _compiled.get(key)
-    if fn is None:
-        fn = _compiled[key] = compile_bwd(*key)
+    fn = _compiled.get(key) or _kernel(key)
     if seqlen_k > 0 and seqlen_q > 0:
         from . import grid_spans
 
@@ -1033,9 +1047,7 @@ def backward_varlen(
         d_v,
         dq_writer(bool(deterministic), tile_m, d > HEAD_DIMS[-1]),
     )
-    fn = _compiled.get(key)
-    if fn is None:
-        fn = _compiled[key] = compile_bwd(*key)
+    fn = _compiled.get(key) or _kernel(key)
     if total_k > 0 and total_q > 0 and batch > 0 and max_seqlen_k > 0:
         fn(
             q[None], k[None], v[None], dout[None], lse2[None], delta[None], dq_acc[None], dk[None], dv[None],
