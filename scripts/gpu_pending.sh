@@ -1,7 +1,7 @@
 # GPU checks of switches built without a GPU, in device calls of under 10 minutes. On the GPU
 # machine, from the project root:
 #
-#     source .gpu/activate.sh && OUT=$OUT bash scripts/gpu_pending.sh 5
+#     source .gpu/activate.sh && OUT=$OUT bash scripts/gpu_pending.sh 8
 #
 # Logs go under $OUT (default /tmp/pending). Parts 1-4 ran in session 28 (bench/results/
 # 2026-11-27-h100-v28; in git history at da8f994); parts 5-7 in session 29
@@ -11,10 +11,12 @@
 #   6  the backward and backward-features presets
 #   7  the writer warp without deterministic mode (sm90_bwd.DQ_WRITER_PLAIN): tests, A/B, a preset
 #      probe; scripts/decode_tile_ab.py
+#   8  owed: the GPU tiers twice with the backward disk cache (the second run loads from disk), the
+#      backward preset with DQ_WRITER_PLAIN at tile 80
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
-part=${1:-5}
+part=${1:-8}
 
 if [ "$part" = 5 ]; then
     python scripts/gpu_tier.py --out /tmp/pending-tier5 --archive "$OUT/tier5.tar.gz" --procs 15 --budget 300 \
@@ -76,5 +78,24 @@ sys.exit(main(['bench', '--preset', 'backward', '--dtype', 'float16', '--out', '
     echo "backward (writer + fragments) rc=$?"; grep -h "auto\` | \(bwd\|fwd+bwd\)" "$OUT"/bwd7/*.md
     timeout 100 python scripts/decode_tile_ab.py --rounds 4 2>&1 | tee "$OUT/decode_tile_ab.txt" | grep "ms\|Error"
     tar czf "$OUT/presets7.tar.gz" -C "$OUT" bwd7 && rm -rf "$OUT/bwd7"
+    exit 0
+fi
+
+if [ "$part" = 8 ]; then
+    # Owed by session 29: the backward's disk cache (kernels loaded back from disk in the second
+    # run of each tier: HOPPER_FMHA_CACHE_DIR kept between them) and the backward preset with
+    # DQ_WRITER_PLAIN at tile 80 on.
+    export HOPPER_FMHA_CACHE_DIR=/tmp/pending-kernel-cache
+    for run in 1 2; do
+        python scripts/gpu_tier.py --out /tmp/pending-tier8-$run --archive "$OUT/tier8-$run.tar.gz" --procs 15 \
+            --budget 150 --stall 100 --chunked -k "dq_writer or varlen_backward or test_backward_matches_reference" \
+            tests/test_gpu_backward.py tests/test_gpu_combine.py > "$OUT/tier8-$run.log" 2>&1
+        tail -1 "$OUT/tier8-$run.log"
+        grep -h "^FAILED" /tmp/pending-tier8-$run/report*.txt | head -10
+        ls "$HOPPER_FMHA_CACHE_DIR"/*/ | grep -c "^bwd_\|^combine_\|^dq_gather_\|^bwd_pre_"
+    done
+    timeout 280 python -m hopper_fmha bench --preset backward --dtype float16 bfloat16 --out "$OUT/bwd8" > "$OUT/bwd8.log" 2>&1
+    echo "backward rc=$?"; grep -h "auto\` | \(bwd\|fwd+bwd\)" "$OUT"/bwd8/*.md
+    tar czf "$OUT/presets8.tar.gz" -C "$OUT" bwd8 && rm -rf "$OUT/bwd8"
     exit 0
 fi
