@@ -85,7 +85,7 @@ if [ "$part" = 8 ]; then
     # Owed by session 29: the backward's disk cache (kernels loaded back from disk in the second
     # run of each tier: HOPPER_FMHA_CACHE_DIR kept between them) and the backward preset with
     # DQ_WRITER_PLAIN at tile 80 on.
-    export HOPPER_FMHA_CACHE_DIR=/tmp/pending-kernel-cache
+    export HOPPER_FMHA_CACHE_DIR=/tmp/pending-kernel-cache HOPPER_FMHA_DISK_CACHE_ALL=1
     for run in 1 2; do
         python scripts/gpu_tier.py --out /tmp/pending-tier8-$run --archive "$OUT/tier8-$run.tar.gz" --procs 15 \
             --budget 150 --stall 100 --chunked -k "dq_writer or varlen_backward or test_backward_matches_reference" \

@@ -349,13 +349,17 @@ def test_dq_writer_plain_asks_for_the_writer(kernels, monkeypatch):
     assert keys[-1][1] == 256 and keys[-1][11] == 64 and keys[-1][16] is False
 
 
-@pytest.mark.parametrize("plain", [(), (64, 80), True])
+@pytest.mark.parametrize("plain", [(), (80,), True])
 def test_varlen_dq_writer_plain(varlen_kernels, monkeypatch, plain):
+    # d64 (tile 128) causal, and d128 non-causal (tile 80, where the default asks for the writer).
     _, keys = varlen_kernels
     monkeypatch.setattr(sm90_bwd, "DQ_WRITER_PLAIN", plain)
     q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 33], [90, 5, 40], causal=True)
     sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 70, 90, 64**-0.5, True)
-    assert keys[-1][11] == 128 and keys[-1][16] is (plain is True)  # (d64's tile 128: not in (64, 80))
+    assert keys[-1][11] == 128 and keys[-1][16] is (plain is True)
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([70, 0, 33], [90, 5, 40], d=128)
+    sm90_bwd.backward_varlen(q, k, v, out, dout, lse, cu_q, cu_k, 70, 90, 128**-0.5, False)
+    assert keys[-1][11] == 80 and keys[-1][16] is bool(plain)
 
 
 def test_varlen_dq_writer_warp(varlen_kernels, monkeypatch):
@@ -1037,10 +1041,11 @@ def test_rotation_needs_a_heads_key_blocks_resident(monkeypatch):
             assert not sm90_bwd.rotates(False, 2, False, -1, -1, tile_n, cpu, *dims)
 
 
-def test_disk_cache_names_follow_the_build_constants(kernels, monkeypatch):
-    # `cache.build_name`: a kernel module's constant changed in-process (here dK/dV's TMA tiles)
-    # names another kernel, so a kernel built before the change is not loaded after it; the
-    # stand-ins of these host tests are not written to the disk cache.
+def test_disk_cache_names_follow_the_build(kernels, monkeypatch, tmp_path):
+    # `cache.build_name`: a kernel module's constant (here dK/dV's TMA tiles) or a method (a
+    # measurement's probe) changed in-process names another kernel, so a kernel built before the
+    # change is not loaded after it, and the other way round; the stand-ins of these host tests
+    # are not written to the disk cache.
     from hopper_fmha.kernels import cache, sm90_bwd_wide, sm90_bwd_ws
 
     key = ("bfloat16", 128, False, False, 2, True, False, False, False, False, False, 80, False, True, False)
@@ -1049,8 +1054,28 @@ def test_disk_cache_names_follow_the_build_constants(kernels, monkeypatch):
     before = cache.build_name("bwd", key, *modules)
     assert before == cache.build_name("bwd", key, *modules) and before.startswith("bwd_")
     assert cache.build_name("bwd", key[:-1] + (False,), *modules) != before
-    monkeypatch.setattr(sm90_bwd_ws, "DKV_TMA_TILES", (64,))
-    assert cache.build_name("bwd", key, *modules) != before
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sm90_bwd_ws, "DKV_TMA_TILES", (64,))
+        constant = cache.build_name("bwd", key, *modules)
+        patch.setattr(sm90_bwd_ws.BwdWsSm90, "reduce_dq", lambda self, *args: None)
+        method = cache.build_name("bwd", key, *modules)
+    assert len({before, constant, method}) == 3
+    assert cache.build_name("bwd", key, *modules) == before
+    monkeypatch.setenv("HOPPER_FMHA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cache, "DISK_CACHE_ALL", True)
+    monkeypatch.setattr(sm90_bwd, "compile_bwd", recording := _recording_compile())
     q, k, v, out, dout, lse = inputs(sq=70, sk=90, kv_heads=2, d=64)
     sm90_bwd.backward(q, k, v, out, dout, lse, 0.125, False)
-    assert not list(cache.cache_dir().glob("*.o"))
+    assert recording.calls and not list(tmp_path.rglob("*.o"))
+
+
+def _recording_compile():
+    """The stand-in compile patched in before (the `kernels` fixture's), counting its calls."""
+    inner = sm90_bwd.compile_bwd
+
+    def compile_bwd(*key):
+        compile_bwd.calls += 1
+        return inner(*key)
+
+    compile_bwd.calls = 0
+    return compile_bwd

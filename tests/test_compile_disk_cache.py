@@ -67,17 +67,42 @@ def test_dense_launch_passes_every_parameter():
     assert len(extra_arguments(key, score_features(False, (3, 4), 0.0, None), (None,) * 4)) == 12
 
 
-# The backward's kernels and the small ones (`cache.load_or_compile`, named by `cache.build_name`):
-# the same round trip, with the argument count their launches pass (TVM-FFI's environment stream
-# is not passed: one fewer than `fake_arguments`, as `binding_checked` in the host tests checks).
-def test_backward_kernel_from_disk_takes_the_launch_argument_count(tmp_path, monkeypatch):
+# The backward's kernels and the small ones (`cache.load_or_compile`, named by `cache.build_name`,
+# with `cache.DISK_CACHE_ALL`): the same round trip, with the argument count their launches pass
+# (TVM-FFI's environment stream is not passed: one fewer than `fake_arguments`, as
+# `binding_checked` in the host tests checks their launches).
+BWD_CASES = {
+    # compile_bwd's arguments after the dtype (bfloat16)
+    "v1-d64-causal": dict(head_dim=64, head_dim_v=64, causal=True, version=1, mha=True),
+    "v2-d128-tile80-writer": dict(
+        head_dim=128, head_dim_v=128, causal=False, mha=True, tile_m=80, dq_unscaled=True, dq_writer=True
+    ),
+    "v2-d64-varlen-gqa": dict(
+        head_dim=64, head_dim_v=64, causal=False, dkv_atomic=True, varlen=True, tile_m=128
+    ),
+}
+
+
+def bwd_key(kwargs) -> tuple:
+    """`sm90_bwd._kernel`'s key: compile_bwd's positional arguments, defaults filled in."""
+    import inspect
+
+    from hopper_fmha.kernels import sm90_bwd
+
+    bound = inspect.signature(sm90_bwd.compile_bwd).bind("bfloat16", **kwargs)
+    bound.apply_defaults()
+    return tuple(v for name, v in bound.arguments.items() if name != "options")
+
+
+@pytest.mark.parametrize("case", list(BWD_CASES))
+def test_backward_kernel_from_disk_takes_the_launch_argument_count(case, tmp_path, monkeypatch):
     from hopper_fmha.kernels import cache, sm90_bwd
 
     monkeypatch.setenv("HOPPER_FMHA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cache, "DISK_CACHE_ALL", True)
     monkeypatch.setattr(sm90_bwd, "_compiled", {})
-    # version 1 at d64 (the quickest to compile), compile_bwd's positional arguments
-    key = ("bfloat16", 64, True, False, 1, True, False, False, False, False, False, 64, False, True, False)
-    key += (64, False)
+    key = bwd_key(BWD_CASES[case])
+    assert len(key) == 17
     sm90_bwd._kernel(key)
     names = [p.name for p in cache.cache_dir().glob("bwd_*.o")]
     assert len(names) == 1
@@ -90,17 +115,24 @@ def test_backward_kernel_from_disk_takes_the_launch_argument_count(tmp_path, mon
     assert "parameters" in _count_error(fn, len(fake) - 2)
 
 
-def test_small_kernel_from_disk(tmp_path, monkeypatch):
+def test_small_kernel_from_disk_and_the_switch(tmp_path, monkeypatch):
     import torch
 
     from hopper_fmha.kernels import cache, dq_gather
 
     monkeypatch.setenv("HOPPER_FMHA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(dq_gather, "_compiled", {})
+    monkeypatch.delenv("HOPPER_FMHA_DISK_CACHE_ALL", raising=False)
     acc, rows = torch.zeros(4, 2, 64), torch.zeros(3, dtype=torch.int64)
+    refused = (TypeError, ValueError, RuntimeError)  # CPU tensors: the kernel refuses them, once fetched
+    monkeypatch.setattr(dq_gather, "_compiled", {})
+    monkeypatch.setattr(cache, "DISK_CACHE_ALL", False)
+    with pytest.raises(refused):
+        dq_gather.gather_dq(acc, rows, torch.bfloat16, 0.5)
+    assert not list(tmp_path.rglob("*.o"))  # the switch off: compiled, not saved
+    monkeypatch.setattr(cache, "DISK_CACHE_ALL", True)
     for source in ("compile", "disk"):
         dq_gather._compiled.clear()
-        with pytest.raises((TypeError, ValueError, RuntimeError)):  # CPU tensors, refused by the kernel
+        with pytest.raises(refused):
             dq_gather.gather_dq(acc, rows, torch.bfloat16, 0.5)
         (name,) = [p.name[:-2] for p in cache.cache_dir().glob("dq_gather_*.o")]
         assert cache.timings[name][0] == source

@@ -173,7 +173,7 @@ def row_stats_kernel(out, dout, lse, dlse, delta, lse2) -> None:
     key = (str(out.dtype).removeprefix("torch."), out.shape[-1], dlse is not None)
     fn = _compiled.get(key)
     if fn is None:
-        name = build_name("bwd_pre", key, sys.modules[__name__])
+        name = build_name("bwd_pre", key, sys.modules[__name__], sys.modules[f"{__package__}.sm90_common"])
         fn = _compiled[key] = load_or_compile(name, lambda: compile_preprocess(*key))
     if delta.numel():
         fn(out, dout, lse, dlse, delta, lse2)

@@ -15,6 +15,7 @@ import os
 import tempfile
 import threading
 import time
+import warnings
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -362,29 +363,63 @@ def _disk_or_compile(name: str, compile_fn, timing_key):
     timings[timing_key] = ("compile", time.perf_counter() - t0)
     try:
         _store_to_disk(name, fn, path)
-    except OSError:
-        pass  # a read-only cache dir costs a recompile next process, nothing else
+    except Exception as e:  # (a read-only folder, or an export the DSL refuses): memory only
+        warnings.warn(f"hopper_fmha: kernel {name} not saved to {path.parent}: {e}", stacklevel=2)
     return fn
+
+
+def _hash_value(h, where: str, value) -> None:
+    """A function (a property's getter, a static or class method's function) by where it was
+    defined, its module and qualified name: a method replaced in-process by a function defined
+    elsewhere (a measurement's probe) changes it; the fingerprint covers the files' own code. (Not
+    by its bytecode: the CuTe DSL rewrites a `cute.jit` function's code when it first compiles.)
+    A plain value by its repr, or its type where the repr carries an address."""
+    value = getattr(value, "fget", None) or getattr(value, "__func__", value)
+    if callable(value):
+        qualname = getattr(value, "__qualname__", type(value).__name__)
+        h.update(f"{where}->{getattr(value, '__module__', None)}.{qualname};".encode())
+    else:
+        text = repr(value)
+        h.update(f"{where}={type(value).__name__ if ' at 0x' in text else text};".encode())
 
 
 def build_name(prefix: str, key, *modules) -> str:
     """A C identifier for a kernel outside `KernelKey` (the backward's, the combine's, the small
-    kernels'): `prefix` and a hash of its compile key and of the upper-case module-level values
-    of `modules`, the modules its code reads while it is built (tile sizes, stages, register
-    split, `DKV_TMA_TILES`...), so that a kernel built with one of them changed in-process
-    (measurements, tests) is never loaded for another. Callables (classes, functions) are left
-    out; every other value enters by its repr."""
+    kernels'): `prefix` and a hash of its compile key and of what `modules` (those its build
+    reads) hold now: their upper-case module-level values (tile sizes, stages, register split,
+    `DKV_TMA_TILES`...), where their functions and their classes' methods come from, and their
+    classes' other attributes. So a kernel built after any of these was changed in-process (a
+    measurement patching a constant or a method, a test) is never loaded for another; the
+    fingerprint folder covers the files."""
     h = hashlib.sha256(repr(key).encode())
     for module in modules:
+        home = module.__name__
         for name, value in sorted(vars(module).items()):
-            if name.lstrip("_").isupper() and not callable(value):
-                h.update(f"{module.__name__}.{name}={value!r};".encode())
+            if isinstance(value, type):
+                if value.__module__ == home:
+                    for attr, member in sorted(vars(value).items()):
+                        if attr not in ("__dict__", "__weakref__", "__doc__", "__module__"):
+                            _hash_value(h, f"{home}.{name}.{attr}", member)
+            elif callable(value):
+                if getattr(value, "__module__", None) == home:
+                    _hash_value(h, f"{home}.{name}", value)
+            elif name.lstrip("_").isupper():
+                _hash_value(h, f"{home}.{name}", value)
     return f"{prefix}_{h.hexdigest()[:24]}"
 
 
+# Kernels outside `KernelKey` on disk too (`load_or_compile`). Session 29 built it without a GPU:
+# off until its GPU run (`scripts/gpu_pending.sh 8`, which turns it on by the environment variable
+# HOPPER_FMHA_DISK_CACHE_ALL=1); off, they are compiled once per process as before.
+DISK_CACHE_ALL = False
+
+
 def load_or_compile(name: str, compile_fn):
-    """A kernel outside `KernelKey` by its `build_name`: from this fingerprint's disk folder, else
-    compiled by `compile_fn()` (and saved). The caller keeps it in memory."""
+    """A kernel outside `KernelKey` by its `build_name`: with `DISK_CACHE_ALL` (or
+    HOPPER_FMHA_DISK_CACHE_ALL=1), from this fingerprint's disk folder, else compiled by
+    `compile_fn()` (and saved); without, compiled. The caller keeps it in memory."""
+    if not (DISK_CACHE_ALL or os.environ.get("HOPPER_FMHA_DISK_CACHE_ALL") == "1"):
+        return compile_fn()
     with _lock:
         return _disk_or_compile(name, compile_fn, name)
 

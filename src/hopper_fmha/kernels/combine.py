@@ -273,7 +273,8 @@ def get_combine(dtype_name: str, head_dim_v: int, max_splits: int):
         with _lock:
             fn = _compiled.get(key)
             if fn is None:
-                name = build_name("combine", key, sys.modules[__name__])
+                common = sys.modules[f"{__package__}.sm90_common"]
+                name = build_name("combine", key, sys.modules[__name__], common)
                 fn = _compiled[key] = load_or_compile(name, lambda: compile_combine(*key))
     return fn
 

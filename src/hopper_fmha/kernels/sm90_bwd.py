@@ -525,10 +525,11 @@ def _kernel(key: tuple):
     """The kernel of a compile key (`compile_bwd`'s arguments) not yet in `_compiled`: from the disk
     cache (`cache.load_or_compile`, named by the key and the kernel modules' constants), else
     compiled (and saved); kept in `_compiled`."""
-    from . import sm90_bwd_wide, sm90_bwd_ws
+    from . import mask, seqlen, sm90_bwd_wide, sm90_bwd_ws, sm90_common
     from .cache import build_name, load_or_compile
 
-    name = build_name("bwd", key, sys.modules[__name__], sm90_bwd_ws, sm90_bwd_wide)
+    modules = (sys.modules[__name__], sm90_bwd_ws, sm90_bwd_wide, sm90_common, mask, seqlen)
+    name = build_name("bwd", key, *modules)
     fn = _compiled[key] = load_or_compile(name, lambda: compile_bwd(*key))
     return fn
 
