@@ -31,7 +31,7 @@ def _no_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg):
 # v2's method replaced by a no-op: the adds of dQ into dQacc, whichever warp issues them (v20's
 # "noatomic", which replaced the since removed per-thread atomics, measured 3.10 -> 2.22 ms at
 # d128). The probe's kernel has a name of its own in the disk cache (`cache.build_name` hashes
-# the methods' code), so it is never loaded for the real one.
+# where each method comes from), so it is never loaded for the real one, nor saved as it.
 PROBES = {"nodq": ("reduce_dq", _no_dq)}
 
 

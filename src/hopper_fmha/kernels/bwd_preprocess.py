@@ -29,7 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from .cache import build_name, load_or_compile
+from .cache import load_or_compile
 from .sm90_common import LOG2_E
 
 UNIT = 8  # columns per 128-bit load of 16-bit values
@@ -173,7 +173,7 @@ def row_stats_kernel(out, dout, lse, dlse, delta, lse2) -> None:
     key = (str(out.dtype).removeprefix("torch."), out.shape[-1], dlse is not None)
     fn = _compiled.get(key)
     if fn is None:
-        name = build_name("bwd_pre", key, sys.modules[__name__], sys.modules[f"{__package__}.sm90_common"])
-        fn = _compiled[key] = load_or_compile(name, lambda: compile_preprocess(*key))
+        modules = (sys.modules[__name__], sys.modules[f"{__package__}.sm90_common"])
+        fn = _compiled[key] = load_or_compile("bwd_pre", key, modules, lambda: compile_preprocess(*key))
     if delta.numel():
         fn(out, dout, lse, dlse, delta, lse2)

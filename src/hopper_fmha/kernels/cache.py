@@ -414,12 +414,14 @@ def build_name(prefix: str, key, *modules) -> str:
 DISK_CACHE_ALL = False
 
 
-def load_or_compile(name: str, compile_fn):
-    """A kernel outside `KernelKey` by its `build_name`: with `DISK_CACHE_ALL` (or
-    HOPPER_FMHA_DISK_CACHE_ALL=1), from this fingerprint's disk folder, else compiled by
-    `compile_fn()` (and saved); without, compiled. The caller keeps it in memory."""
+def load_or_compile(prefix: str, key, modules: tuple, compile_fn):
+    """A kernel outside `KernelKey`: with `DISK_CACHE_ALL` (or HOPPER_FMHA_DISK_CACHE_ALL=1), from
+    this fingerprint's disk folder under its `build_name(prefix, key, *modules)`, else compiled
+    by `compile_fn()` (and saved); without, compiled, and nothing hashed. The caller keeps it in
+    memory."""
     if not (DISK_CACHE_ALL or os.environ.get("HOPPER_FMHA_DISK_CACHE_ALL") == "1"):
         return compile_fn()
+    name = build_name(prefix, key, *modules)
     with _lock:
         return _disk_or_compile(name, compile_fn, name)
 

@@ -49,7 +49,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .cache import build_name, load_or_compile
+from .cache import load_or_compile
 from .sm90_common import LN_2, LOG2_E
 
 # Split counts: `max_splits_for` rounds up to a power of two from MIN_MAX_SPLITS (a few kernels,
@@ -273,9 +273,8 @@ def get_combine(dtype_name: str, head_dim_v: int, max_splits: int):
         with _lock:
             fn = _compiled.get(key)
             if fn is None:
-                common = sys.modules[f"{__package__}.sm90_common"]
-                name = build_name("combine", key, sys.modules[__name__], common)
-                fn = _compiled[key] = load_or_compile(name, lambda: compile_combine(*key))
+                modules = (sys.modules[__name__], sys.modules[f"{__package__}.sm90_common"])
+                fn = _compiled[key] = load_or_compile("combine", key, modules, lambda: compile_combine(*key))
     return fn
 
 

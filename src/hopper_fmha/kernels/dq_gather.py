@@ -28,7 +28,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int64
 
 from .bwd_preprocess import UNIT, row_lanes
-from .cache import build_name, load_or_compile
+from .cache import load_or_compile
 
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 
@@ -128,7 +128,7 @@ def gather_dq(dq_acc, rows, dtype, scale: float | None):
     key = (str(dtype).removeprefix("torch."), dq_acc.shape[-1])
     fn = _compiled.get(key)
     if fn is None:
-        name = build_name("dq_gather", key, sys.modules[__name__], sys.modules[row_lanes.__module__])
-        fn = _compiled[key] = load_or_compile(name, lambda: compile_dq_gather(*key))
+        modules = (sys.modules[__name__], sys.modules[row_lanes.__module__])
+        fn = _compiled[key] = load_or_compile("dq_gather", key, modules, lambda: compile_dq_gather(*key))
     fn(dq_acc, rows, dq, 1.0 if scale is None else float(scale))
     return dq

@@ -522,15 +522,14 @@ _compiled: dict = {}
 
 
 def _kernel(key: tuple):
-    """The kernel of a compile key (`compile_bwd`'s arguments) not yet in `_compiled`: from the disk
-    cache (`cache.load_or_compile`, named by the key and the kernel modules' constants), else
-    compiled (and saved); kept in `_compiled`."""
+    """The kernel of a compile key (`compile_bwd`'s arguments) not yet in `_compiled`: compiled, or,
+    with the disk cache on (`cache.load_or_compile`), loaded or compiled and saved; kept in
+    `_compiled`."""
     from . import mask, seqlen, sm90_bwd_wide, sm90_bwd_ws, sm90_common
-    from .cache import build_name, load_or_compile
+    from .cache import load_or_compile
 
     modules = (sys.modules[__name__], sm90_bwd_ws, sm90_bwd_wide, sm90_common, mask, seqlen)
-    name = build_name("bwd", key, *modules)
-    fn = _compiled[key] = load_or_compile(name, lambda: compile_bwd(*key))
+    fn = _compiled[key] = load_or_compile("bwd", key, modules, lambda: compile_bwd(*key))
     return fn
 
 
