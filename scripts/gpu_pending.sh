@@ -13,10 +13,14 @@
 #      probe; scripts/decode_tile_ab.py
 #   8  owed: the GPU tiers twice with the backward disk cache (the second run loads from disk), the
 #      backward preset with DQ_WRITER_PLAIN at tile 80
+#   9  ncu of the backward, ours against FA4: d128 non-causal and causal, d256 plain and
+#      deterministic (ours); each kernel's details page and its SASS source page (xz)
+#   10 sm90_bwd_ws.EXP_AFTER_MASK: an A/B (bwd_profile, off/on twice), the backward tier's masked
+#      and varlen tests, the backward preset (bf16)
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
-part=${1:-8}
+part=${1:-10}
 
 if [ "$part" = 5 ]; then
     python scripts/gpu_tier.py --out /tmp/pending-tier5 --archive "$OUT/tier5.tar.gz" --procs 15 --budget 300 \
@@ -97,5 +101,64 @@ if [ "$part" = 8 ]; then
     timeout 280 python -m hopper_fmha bench --preset backward --dtype float16 bfloat16 --out "$OUT/bwd8" > "$OUT/bwd8.log" 2>&1
     echo "backward rc=$?"; grep -h "auto\` | \(bwd\|fwd+bwd\)" "$OUT"/bwd8/*.md
     tar czf "$OUT/presets8.tar.gz" -C "$OUT" bwd8 && rm -rf "$OUT/bwd8"
+    exit 0
+fi
+
+if [ "$part" = 9 ]; then
+    # Session 30: where the backward's cycles go now (the writer warp at tile 80), against FA4.
+    cat > /tmp/fa4_bwd.py <<'PY'
+import sys, torch
+from flash_attn.cute import flash_attn_func
+d, heads, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "causal"
+torch.manual_seed(0)
+q, k, v = (torch.randn(4, 4096, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+out = flash_attn_func(q, k, v, causal=causal)
+out = out[0] if isinstance(out, tuple) else out
+out.backward(torch.randn_like(out))
+torch.cuda.synchronize()
+PY
+    prof() {  # name, kernel regex, command...
+        local name=$1 regex=$2; shift 2
+        timeout 150 ncu --clock-control none --kernel-name "regex:$regex" --launch-count 1 --set full \
+            --import-source no -o "/tmp/ncu-$name" "$@" > "/tmp/ncu-$name.log" 2>&1
+        echo "$name rc=$?"
+        ncu -i "/tmp/ncu-$name.ncu-rep" --page details > "$OUT/ncu-$name-details.txt" 2>&1
+        ncu -i "/tmp/ncu-$name.ncu-rep" --page source --csv --print-source sass > "/tmp/ncu-$name.csv" 2>&1
+        xz -9 -c "/tmp/ncu-$name.csv" > "/tmp/ncu-src-$name.csv.xz"
+    }
+    prof ours128 BwdWsSm90 python scripts/bwd_profile.py --d 128 --heads 16 --dtype bfloat16 --ncu
+    prof fa4128 FlashAttentionBackwardSm90 python /tmp/fa4_bwd.py 128 16 plain
+    prof ours128c BwdWsSm90 python scripts/bwd_profile.py --d 128 --heads 16 --dtype bfloat16 --causal --ncu
+    prof fa4128c FlashAttentionBackwardSm90 python /tmp/fa4_bwd.py 128 16 causal
+    prof ours256det BwdWideSm90 python scripts/bwd_profile.py --d 256 --heads 8 --dtype bfloat16 --wide --deterministic --ncu
+    prof ours256 BwdWideSm90 python scripts/bwd_profile.py --d 256 --heads 8 --dtype bfloat16 --wide --ncu
+    tar cf "$OUT/ncu-src.tar" -C /tmp $(cd /tmp && ls ncu-src-*.csv.xz)
+    tar czf "$OUT/ncu-details.tar.gz" -C "$OUT" $(cd "$OUT" && ls ncu-*-details.txt) && rm "$OUT"/ncu-*-details.txt
+    grep -h "Duration\|Elapsed Cycles\|Executed Ipc E\|Registers Per" /tmp/ncu-*.log | head -0
+    for f in /tmp/ncu-*.ncu-rep; do echo "$f"; ncu -i "$f" --page details 2>/dev/null | grep -m4 "Elapsed Cycles\|Duration\|Executed Ipc Elapsed\|Compute (SM) Throughput"; done
+    exit 0
+fi
+
+if [ "$part" = 10 ]; then
+    # Session 30: P's exponentials after the mask's branch (sm90_bwd_ws.EXP_AFTER_MASK).
+    for args in "--d 128 --heads 16" "--d 128 --heads 16 --causal" "--d 64 --heads 32" "--d 64 --heads 32 --causal"; do
+        for flag in False True False True; do
+            timeout 60 python -c "
+import runpy, sys
+import hopper_fmha.kernels.sm90_bwd_ws as w
+w.EXP_AFTER_MASK = $flag
+sys.argv = ['bwd_profile.py'] + '$args --versions 2'.split()
+runpy.run_path('scripts/bwd_profile.py', run_name='__main__')
+" 2>&1 | grep TFLOP | sed "s/\$/  (exp after mask $flag)/"
+        done
+    done | tee "$OUT/exp_after_mask.txt"
+    python scripts/gpu_tier.py --out /tmp/pending-tier10 --archive "$OUT/tier10.tar.gz" --procs 15 --budget 170 \
+        --stall 100 --chunked -k "window or causal or varlen_backward or test_backward_matches_reference" \
+        tests/test_gpu_backward.py > "$OUT/tier10.log" 2>&1
+    tail -1 "$OUT/tier10.log"
+    grep -h "^FAILED" /tmp/pending-tier10/report*.txt | head -10
+    timeout 170 python -m hopper_fmha bench --preset backward --dtype bfloat16 --out "$OUT/bwd10" > "$OUT/bwd10.log" 2>&1
+    echo "backward rc=$?"; grep -h "auto\` | \(bwd\|fwd+bwd\)" "$OUT"/bwd10/*.md
+    tar czf "$OUT/presets10.tar.gz" -C "$OUT" bwd10 && rm -rf "$OUT/bwd10"
     exit 0
 fi

@@ -136,3 +136,9 @@ def test_small_kernel_from_disk_and_the_switch(tmp_path, monkeypatch):
             dq_gather.gather_dq(acc, rows, torch.bfloat16, 0.5)
         (name,) = [p.name[:-2] for p in cache.cache_dir().glob("dq_gather_*.o")]
         assert cache.timings[name][0] == source
+    monkeypatch.setenv("HOPPER_FMHA_DISK_CACHE_ALL", "0")  # the environment turns the default off
+    before = cache.timings[name]
+    dq_gather._compiled.clear()
+    with pytest.raises(refused):
+        dq_gather.gather_dq(acc, rows, torch.bfloat16, 0.5)
+    assert cache.timings[name] is before  # compiled without the cache: no disk load recorded

@@ -408,18 +408,20 @@ def build_name(prefix: str, key, *modules) -> str:
     return f"{prefix}_{h.hexdigest()[:24]}"
 
 
-# Kernels outside `KernelKey` on disk too (`load_or_compile`). Session 29 built it without a GPU:
-# off until its GPU run (`scripts/gpu_pending.sh 8`, which turns it on by the environment variable
-# HOPPER_FMHA_DISK_CACHE_ALL=1); off, they are compiled once per process as before.
-DISK_CACHE_ALL = False
+# Kernels outside `KernelKey` on disk too (`load_or_compile`): on since its GPU run (session 30,
+# H200: the backward tiers passed twice, the second run loading every kernel from disk). Off
+# (False here, or HOPPER_FMHA_DISK_CACHE_ALL=0), they are compiled once per process.
+DISK_CACHE_ALL = True
 
 
 def load_or_compile(prefix: str, key, modules: tuple, compile_fn):
-    """A kernel outside `KernelKey`: with `DISK_CACHE_ALL` (or HOPPER_FMHA_DISK_CACHE_ALL=1), from
+    """A kernel outside `KernelKey`: with `DISK_CACHE_ALL` (the environment's
+    HOPPER_FMHA_DISK_CACHE_ALL=1 / 0 overrides it), from
     this fingerprint's disk folder under its `build_name(prefix, key, *modules)`, else compiled
     by `compile_fn()` (and saved); without, compiled, and nothing hashed. The caller keeps it in
     memory."""
-    if not (DISK_CACHE_ALL or os.environ.get("HOPPER_FMHA_DISK_CACHE_ALL") == "1"):
+    flag = os.environ.get("HOPPER_FMHA_DISK_CACHE_ALL")
+    if not (flag == "1" or (DISK_CACHE_ALL and flag != "0")):
         return compile_fn()
     name = build_name(prefix, key, *modules)
     with _lock:
