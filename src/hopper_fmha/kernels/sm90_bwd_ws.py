@@ -96,14 +96,6 @@ STAGES = 2  # Q and dO pipeline stages
 # Producer, consumers (setmaxnreg, which ptxas honours only with min_blocks_per_mp=1 at launch):
 # 24 * 128 + 240 * 256 <= 64K.
 REGISTERS = (24, 240)
-# P's exponentials after the mask's branch (the mask writes -inf), in one basic block with the wait
-# for dP^T and dS, so that ptxas can interleave the MUFUs with dS's arithmetic (session 30's ncu:
-# inside the branch, 40 MUFUs ran back to back, twice FA4's stall samples there). False: the
-# exponentials inside each branch, as before.
-EXP_AFTER_MASK = True
-# With EXP_AFTER_MASK: how many of a thread's query columns are exponentiated before the wait for
-# dP^T; the rest are interleaved in source order with the first columns' dS (None: all before).
-EXP_EARLY_COLS = None
 BARRIER_DS = 1  # named barrier: both consumer warpgroups' dS^T rows are in sdS
 BARRIER_TURN = 2  # deterministic mode: the CTA's turn to add dQ has come / its adds are done
 BARRIER_DQ = 3  # + warpgroup: its dQ buffer is free / written (TMA reduce-add of dQ)
@@ -757,75 +749,13 @@ class BwdWsSm90(BwdSm90):
         used, and D likewise (tile_m 128: 32 columns a thread, which held in registers spilled)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
-        if const_expr(not EXP_AFTER_MASK):
-            self.probabilities_branched(
-                acc_S_mn, acc_dP_mn, tScS, lse_log2, sLSE, q_stage, sD, do_stage, mask, seqlen, m_block, n0,
-                scale_log2, masked,
-            )  # fmt: skip
-        else:
-            self.probabilities_after_mask(
-                acc_S_mn, acc_dP_mn, tScS, lse_log2, sLSE, q_stage, sD, do_stage, mask, seqlen, m_block, n0,
-                scale_log2, masked,
-            )  # fmt: skip
-
-    @cute.jit
-    def probabilities_after_mask(
-        self, acc_S_mn, acc_dP_mn, tScS, lse_log2, sLSE, q_stage, sD, do_stage, mask, seqlen, m_block, n0,
-        scale_log2, masked,
-    ):  # fmt: skip
-        """`probabilities` with `EXP_AFTER_MASK`."""
         cols = cute.size(acc_S_mn, mode=[1])
         rows = cute.size(acc_S_mn, mode=[0])
-        # The mask sets S to -inf (P = exp2(-inf) = 0); the exponentials come after its branch, in
-        # one basic block with the wait for dP^T and dS (`EXP_AFTER_MASK`). The wait itself must stay
-        # outside any branch: inside both branches of `masked`, ptxas serialized every WGMMA.
+
         if masked:
             m0 = m_block * self.tile_m
             for c in cutlass.range_constexpr(cols):
                 # The keys [start, limit) this column's query sees (`mask.Mask`).
-                start, limit = mask.key_bounds(m0 + tScS[0, c][1], seqlen)
-                for r in cutlass.range_constexpr(rows):
-                    s = Float32(-float("inf"))
-                    key = n0 + tScS[r, c][0]
-                    if const_expr(self.window_left):
-                        if key < limit and key >= start:
-                            s = acc_S_mn[r, c]
-                    elif key < limit:
-                        s = acc_S_mn[r, c]
-                    acc_S_mn[r, c] = s
-        early = cols if const_expr(EXP_EARLY_COLS is None) else min(EXP_EARLY_COLS, cols)
-        for c in cutlass.range_constexpr(early):
-            self.exp_column(acc_S_mn, c, rows, scale_log2, lse_log2, sLSE, tScS, q_stage)
-        # D of the columns, read while dP^T may still run (not beside the LSE: fewer registers
-        # live across the GEMMs' issue).
-        dsum = None
-        if const_expr(lse_log2 is not None):
-            dsum = self.load_rows(tScS, sD, do_stage)
-        warpgroup.wait_group(0)  # dP^T done
-        for c in cutlass.range_constexpr(cols):
-            if const_expr(early + c < cols):
-                self.exp_column(acc_S_mn, early + c, rows, scale_log2, lse_log2, sLSE, tScS, q_stage)
-            d_c = self.column_value(dsum, sD, tScS, do_stage, c)
-            for r in cutlass.range_constexpr(rows):
-                acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_c)
-
-    def exp_column(self, acc_S_mn, c: int, rows: int, scale_log2, lse_log2, sLSE, tScS, q_stage):
-        """P = exp2(S scale log2 e - LSE log2 e) for query column c (traced inline)."""
-        lse_c = self.column_value(lse_log2, sLSE, tScS, q_stage, c)
-        for r in range(rows):
-            acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse_c, fastmath=True)
-
-    @cute.jit
-    def probabilities_branched(
-        self, acc_S_mn, acc_dP_mn, tScS, lse_log2, sLSE, q_stage, sD, do_stage, mask, seqlen, m_block, n0,
-        scale_log2, masked,
-    ):  # fmt: skip
-        """`probabilities` as before `EXP_AFTER_MASK`: the exponentials inside each branch."""
-        cols = cute.size(acc_S_mn, mode=[1])
-        rows = cute.size(acc_S_mn, mode=[0])
-        if masked:
-            m0 = m_block * self.tile_m
-            for c in cutlass.range_constexpr(cols):
                 start, limit = mask.key_bounds(m0 + tScS[0, c][1], seqlen)
                 for r in cutlass.range_constexpr(rows):
                     p = Float32(0.0)
@@ -850,6 +780,8 @@ class BwdWsSm90(BwdSm90):
                         acc_S_mn[r, c] * scale_log2 - self.column_value(lse_log2, sLSE, tScS, q_stage, c),
                         fastmath=True,
                     )
+        # D of the columns, read while dP^T may still run (not beside the LSE: fewer registers
+        # live across the GEMMs' issue).
         dsum = None
         if const_expr(lse_log2 is not None):
             dsum = self.load_rows(tScS, sD, do_stage)
