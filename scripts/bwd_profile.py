@@ -75,6 +75,11 @@ def main():
         ("--dq-writer", "deterministic: turns and dQ adds by a warp of their own (sm90_bwd.DQ_WRITER_WARP)"),
         ("--dq-writer-plain", "not deterministic: dQ adds by the writer warp (sm90_bwd.DQ_WRITER_PLAIN)"),
         ("--wide-rotate", "deterministic: the wide kernel's rotated walk (sm90_bwd.WIDE_ROTATE)"),
+        (
+            "--shared-starts",
+            "deterministic, fewer query blocks than key blocks: the walk from n %% C "
+            "(sm90_bwd_ws.SHARED_STARTS)",
+        ),
     ):
         parser.add_argument(switch, choices=("on", "off"), default=None, help=f"{what}, or not")
     parser.add_argument(
@@ -104,6 +109,8 @@ def main():
         sm90_bwd.DQ_WRITER_PLAIN = args.dq_writer_plain == "on"
     if args.wide_rotate is not None:
         sm90_bwd.WIDE_ROTATE = args.wide_rotate == "on"
+    if args.shared_starts is not None:
+        sm90_bwd_ws.SHARED_STARTS = args.shared_starts == "on"
     if args.wide:
         import hopper_fmha.backward
 

@@ -19,10 +19,12 @@
 #      and varlen tests, the backward preset (bf16)
 #   11 the paper preset in bf16 by the steady method (v28 ran 9 of its 12 cells before a timeout;
 #      this covers the 3 missing ones, on whatever card comes)
+#   12 sm90_bwd_ws.SHARED_STARTS (session 30, not yet run): its GPU tests, then an A/B of the
+#      deterministic d256 backward (B4 N4096: 64 query blocks, 86 key blocks), the plain kernel for scale
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
-part=${1:-11}
+part=${1:-12}
 
 if [ "$part" = 5 ]; then
     python scripts/gpu_tier.py --out /tmp/pending-tier5 --archive "$OUT/tier5.tar.gz" --procs 15 --budget 300 \
@@ -169,5 +171,22 @@ if [ "$part" = 11 ]; then
     timeout 300 python -m hopper_fmha bench --preset paper --dtype bfloat16 --backends hopper-fmha:auto sdpa-cudnn fa4 \
         --steady-ms 300 --block-ms 1000 --rounds 2 --iters 24 --out "$OUT/paper11" > "$OUT/paper11.log" 2>&1
     echo "paper rc=$?"; grep "TFLOP" "$OUT/paper11.log"; grep -h "auto\` |" "$OUT"/paper11/*.md
+    exit 0
+fi
+
+if [ "$part" = 12 ]; then
+    python scripts/gpu_tier.py --out /tmp/pending-tier12 --archive "$OUT/tier12.tar.gz" --procs 15 --budget 200 \
+        --stall 120 --chunked -k "shared_starts" tests/test_gpu_backward.py > "$OUT/tier12.log" 2>&1
+    tail -1 "$OUT/tier12.log"
+    grep -h "^FAILED" /tmp/pending-tier12/report*.txt | head -10
+    if grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/tier12.log"); then
+        for args in "--d 256 --heads 8 --wide"; do  # (bwd_profile's q and k share a length: d128 never has C < num_n)
+            timeout 60 python scripts/bwd_profile.py $args --versions 2 2>&1 | grep TFLOP | sed "s/\$/  (plain)/"
+            for r in off on off on; do
+                timeout 60 python scripts/bwd_profile.py $args --versions 2 --deterministic --shared-starts $r \
+                    2>&1 | grep TFLOP | sed "s/\$/  (deterministic, shared starts $r)/"
+            done
+        done | tee "$OUT/shared_starts.txt"
+    fi
     exit 0
 fi

@@ -42,6 +42,9 @@ MORE = {
     ),
     "wide-256": dict(head_dim=256, causal=False),
     "wide-256-causal-deterministic": dict(head_dim=256, causal=True, deterministic=True),
+    "wide-256-deterministic-rotated": dict(
+        head_dim=256, causal=False, deterministic=True, rotate=True, dq_writer=True
+    ),
     "wide-192-128": dict(head_dim=192, head_dim_v=128, causal=False),
     "wide-192-128-varlen-softcap": dict(head_dim=192, head_dim_v=128, causal=True, varlen=True, softcap=True),
     "writer-d128-causal": dict(head_dim=128, causal=True, deterministic=True, tile_m=64, dq_writer=True),

@@ -847,3 +847,40 @@ def test_wide_rotated_walk_is_bitwise_reproducible(hopper_gpu, wide_rotate):
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-dv128"])
 def test_wide_rotated_walk_varlen(hopper_gpu, wide_rotate, dims, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, True, dims[0], case, "gqa", dims[1])
+
+
+# The deterministic walk with fewer query blocks than key blocks (`sm90_bwd_ws.SHARED_STARTS`,
+# session 30, off): CTA n starts at n % C and the turns follow (`shared_start_turn`; its order is
+# checked on the host in test_shared_start_walk.py). Kernels compiled with it stay out of the
+# process's kernel cache, whose key does not name the switch.
+@pytest.fixture
+def shared_starts(monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
+
+    monkeypatch.setattr(sm90_bwd_ws, "SHARED_STARTS", True)
+    monkeypatch.setattr(sm90_bwd, "_compiled", {})
+
+
+SHARED_START_SEQLENS = [(1, 1), (113, 203), (128, 1000), (200, 3000), (1023, 1024)]
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", SHARED_START_SEQLENS, ids=[f"{a}x{b}" for a, b in SHARED_START_SEQLENS])
+def test_shared_starts_d128(hopper_gpu, shared_starts, seqlens, heads):
+    test_autograd_matches_reference(hopper_gpu, torch.bfloat16, True, False, seqlens, heads)
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", WIDE_FEATURE_SEQLENS, ids=[f"{a}x{b}" for a, b in WIDE_FEATURE_SEQLENS])
+@pytest.mark.parametrize("feature", ["plain", "softcap"])
+def test_shared_starts_d256(hopper_gpu, wide_rotate, shared_starts, feature, seqlens, heads):
+    test_score_features_backward(hopper_gpu, torch.bfloat16, True, 256, feature, seqlens, heads, 256)
+
+
+def test_shared_starts_d256_is_bitwise_reproducible(hopper_gpu, wide_rotate, shared_starts):
+    test_deterministic_is_bitwise_reproducible(hopper_gpu, False, 256)  # 100 repeats
+
+
+@pytest.mark.parametrize("case", ["full", "softcap"])
+def test_shared_starts_d256_varlen(hopper_gpu, wide_rotate, shared_starts, case):
+    test_varlen_backward(hopper_gpu, torch.bfloat16, True, 256, case, "gqa", 256)

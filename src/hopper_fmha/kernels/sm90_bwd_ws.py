@@ -96,6 +96,13 @@ STAGES = 2  # Q and dO pipeline stages
 # Producer, consumers (setmaxnreg, which ptxas honours only with min_blocks_per_mp=1 at launch):
 # 24 * 128 + 240 * 256 <= 64K.
 REGISTERS = (24, 240)
+# Deterministic rotated walk with fewer query blocks than key blocks (C < num_n, e.g. d256 at
+# N4096: 64 x 86), where `walk`'s stride is 0 and every CTA of a head visited the same block at the
+# same step, each block's adds one chain across the head (v30's ncu: the consumers waited 39% of
+# the time for the dQ buffer). With this: CTA n starts at n % C, so at most ceil(num_n / C) CTAs
+# share a block at a step, and the turns follow (`shared_start_turn`). Built in session 30 without
+# GPU time: off until measured and GPU-tested.
+SHARED_STARTS = False
 BARRIER_DS = 1  # named barrier: both consumer warpgroups' dS^T rows are in sdS
 BARRIER_TURN = 2  # deterministic mode: the CTA's turn to add dQ has come / its adds are done
 BARRIER_DQ = 3  # + warpgroup: its dQ buffer is free / written (TMA reduce-add of dQ)
@@ -115,6 +122,25 @@ BARRIER_PDS_FREE = 6
 BARRIER_DQ_FULL = 7
 BARRIER_DQ_EMPTY = 8
 DQ_WRITER_THREADS = NUM_MMA_THREADS + 32
+
+
+def shared_start_turn(m, n, count, num_n, minimum):
+    """The turn of CTA (key block) n at query block m (both from 0) on `SHARED_STARTS`' walk: C =
+    count query blocks, num_n > C key blocks, CTA n starting at n % C and wrapping. CTAs reach m
+    in groups, those sharing a start at the same step d = (m - n % C) mod C, groups by d, and within
+    a group by n // C. The turn: the sizes of the d groups before (residues m, m - 1, ...,
+    m - d + 1 mod C; q = num_n // C CTAs each, one more for the residues below num_n % C) plus
+    n // C. Branch-free on non-negative integers, so the same function serves the kernel
+    (`minimum` = cutlass.min) and the host tests (`min`)."""
+    q = num_n // count
+    rem = num_n - q * count
+    d = (m - n % count + count) % count
+    lo = (m - d + 1 + count) % count
+
+    def below(x):  # residues under rem among 0, 1, ..., x - 1
+        return (x // count) * rem + minimum(x % count, rem)
+
+    return d * q + below(lo + d) - below(lo) + n // count
 
 
 class BwdWsSm90(BwdSm90):
@@ -841,17 +867,21 @@ class BwdWsSm90(BwdSm90):
 
     @cute.jit
     def walk(self, n_block, seqlen, m_min, m_max):
-        """(first query block this CTA visits, stride, num_n): [m_min, m_max) in order from m_min,
-        or (`rotate`) from m_min + n_block * stride, stride = C // num_n for C query blocks and
-        num_n key blocks, wrapping at m_max. stride 0 (C < num_n, or no work): no rotation."""
-        first, stride, num_n = m_min, Int32(0), Int32(1)
+        """(first query block this CTA visits, stride, num_n, C): [m_min, m_max) in order from
+        m_min, or (`rotate`) from m_min + n_block * stride, stride = C // num_n for C query blocks
+        and num_n key blocks, wrapping at m_max. stride 0 (C < num_n, or no work): no rotation;
+        with `SHARED_STARTS` and 0 < C < num_n, from m_min + n_block % C instead."""
+        first, stride, num_n, count = m_min, Int32(0), Int32(1), m_max - m_min
         if const_expr(self.rotate):
             num_n = cutlass.max((seqlen.seqlen_k + self.tile_n - 1) // self.tile_n, 1)
             if const_expr(self.varlen):
                 num_n = cutlass.min(num_n, cute.arch.grid_dim()[0])  # (as the turns' n_max)
-            stride = (m_max - m_min) // num_n
+            stride = count // num_n
             first = m_min + n_block * stride
-        return first, stride, num_n
+            if const_expr(SHARED_STARTS):
+                if stride == 0 and count > 0:
+                    first = m_min + n_block % count
+        return first, stride, num_n, count
 
     @cute.jit
     def walk_block(self, i, m_min, m_max, walk):
@@ -869,14 +899,18 @@ class BwdWsSm90(BwdSm90):
         order they reach m. CTA n starts at n * stride, so the last to have started at or before m,
         n0 = min(m // stride, num_n - 1), reaches it first, then n0 - 1, ..., 0, then num_n - 1,
         ..., n0 + 1 (each reaches m stride steps after the one before it). Without rotation
-        (stride 0) every CTA starts at m_min: descending, the launch order."""
-        _, stride, num_n = walk
+        (stride 0) every CTA starts at m_min: descending, the launch order; with `SHARED_STARTS`
+        (C < num_n), `shared_start_turn`."""
+        _, stride, num_n, count = walk
         turn = num_n - 1 - n_block
         if stride > 0:
             n0 = cutlass.min(m // stride, num_n - 1)
             turn = n0 - n_block
             if turn < 0:
                 turn = turn + num_n
+        if const_expr(SHARED_STARTS):
+            if stride == 0 and count > 0:
+                turn = shared_start_turn(m, n_block, count, num_n, cutlass.min)
         return turn
 
     @cute.jit
