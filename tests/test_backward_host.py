@@ -996,7 +996,7 @@ def test_sass_hashes_configurations_bind_to_compile_bwd():
     spec.loader.exec_module(module)
     signature = inspect.signature(sm90_bwd.compile_bwd)
     configs = {**module.DENSE, **module.MORE}
-    assert len(configs) == 17
+    assert len(configs) == 18
     for name, kwargs in configs.items():
         signature.bind("bfloat16", **kwargs)  # raises TypeError on a name compile_bwd lacks
         assert kwargs["head_dim"] in (64, 128, 192, 256), name
