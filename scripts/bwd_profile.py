@@ -75,13 +75,14 @@ def main():
         ("--dq-writer", "deterministic: turns and dQ adds by a warp of their own (sm90_bwd.DQ_WRITER_WARP)"),
         ("--dq-writer-plain", "not deterministic: dQ adds by the writer warp (sm90_bwd.DQ_WRITER_PLAIN)"),
         ("--wide-rotate", "deterministic: the wide kernel's rotated walk (sm90_bwd.WIDE_ROTATE)"),
-        (
-            "--shared-starts",
-            "deterministic, fewer query blocks than key blocks: the walk from n %% C "
-            "(sm90_bwd_ws.SHARED_STARTS)",
-        ),
     ):
         parser.add_argument(switch, choices=("on", "off"), default=None, help=f"{what}, or not")
+    parser.add_argument(
+        "--dq-chains",
+        type=int,
+        default=None,
+        help="deterministic dQ's chains at this head dim (sm90_bwd.DQ_CHAINS; 1: off)",
+    )
     parser.add_argument(
         "--wide",
         action="store_true",
@@ -109,8 +110,8 @@ def main():
         sm90_bwd.DQ_WRITER_PLAIN = args.dq_writer_plain == "on"
     if args.wide_rotate is not None:
         sm90_bwd.WIDE_ROTATE = args.wide_rotate == "on"
-    if args.shared_starts is not None:
-        sm90_bwd_ws.SHARED_STARTS = args.shared_starts == "on"
+    if args.dq_chains is not None:
+        sm90_bwd.DQ_CHAINS = {(args.d, args.dv or args.d): args.dq_chains}
     if args.wide:
         import hopper_fmha.backward
 

@@ -1,34 +1,56 @@
 # GPU checks of switches built without a GPU, in device calls of under 10 minutes. On the GPU
 # machine, from the project root:
 #
-#     source .gpu/activate.sh && OUT=$OUT bash scripts/gpu_pending.sh 12
+#     source .gpu/activate.sh && OUT=$OUT bash scripts/gpu_pending.sh 13
 #
 # Logs go under $OUT (default /tmp/pending). Parts that have run are removed once their results
 # are committed: parts 1-4 (session 28, bench/results/2026-11-27-h100-v28) are in git history at
 # da8f994; parts 5-7 (session 29, bench/results/2026-11-28-h100-v29) and 8-11 (session 30,
-# bench/results/2026-11-28-h200-v30: the disk-cache tiers and backward preset, the ncu of the
-# backward against FA4, the EXP_AFTER_MASK A/B, the paper preset in bf16) at 96436f8, e.g.
+# bench/results/2026-11-28-h200-v30) at 96436f8, part 12 (session 31, SHARED_STARTS, measured
+# slower and removed: bench/results/2026-11-28-h200-v31) at cb14a0c, e.g.
 # `git show 96436f8:scripts/gpu_pending.sh`. Each results README names its files' parts.
-#   12 sm90_bwd_ws.SHARED_STARTS (session 30, not yet run): its GPU tests, then an A/B of the
-#      deterministic d256 backward (B4 N4096: 64 query blocks, 86 key blocks), the plain kernel for scale
+#   13 sm90_bwd.DQ_CHAINS (session 31, run in session 31's second call): its GPU tests, then an A/B of
+#      the deterministic backward at k = 1, 2, 3 (d256, d128, d128 causal, d64; B4 N4096), the plain one
+#   14 DQ_CHAINS on at (256, 256), k = 2 (session 31): the wide kernel's deterministic tests, an A/B of
+#      d256 causal, then the backward preset
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
-part=${1:-12}
+part=${1:-14}
 
-if [ "$part" = 12 ]; then
-    python scripts/gpu_tier.py --out /tmp/pending-tier12 --archive "$OUT/tier12.tar.gz" --procs 15 --budget 200 \
-        --stall 120 --chunked -k "shared_starts" tests/test_gpu_backward.py > "$OUT/tier12.log" 2>&1
-    tail -1 "$OUT/tier12.log"
-    grep -h "^FAILED" /tmp/pending-tier12/report*.txt | head -10
-    if grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/tier12.log"); then
-        for args in "--d 256 --heads 8 --wide"; do  # (bwd_profile's q and k share a length: d128 never has C < num_n)
+if [ "$part" = 13 ]; then
+    python scripts/gpu_tier.py --out /tmp/pending-tier13 --archive "$OUT/tier13.tar.gz" --procs 15 --budget 240 \
+        --stall 120 --chunked -k "dq_chains" tests/test_gpu_backward.py > "$OUT/tier13.log" 2>&1
+    tail -1 "$OUT/tier13.log"
+    grep -h "^FAILED" /tmp/pending-tier13/report*.txt | head -10
+    if grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/tier13.log"); then
+        for args in "--d 256 --heads 8 --wide" "--d 128 --heads 16" "--d 128 --heads 16 --causal" "--d 64 --heads 32"; do
             timeout 60 python scripts/bwd_profile.py $args --versions 2 2>&1 | grep TFLOP | sed "s/\$/  (plain)/"
-            for r in off on off on; do
-                timeout 60 python scripts/bwd_profile.py $args --versions 2 --deterministic --shared-starts $r \
-                    2>&1 | grep TFLOP | sed "s/\$/  (deterministic, shared starts $r)/"
+            ks="1 2 1 2"
+            [ "$args" = "--d 256 --heads 8 --wide" ] && ks="1 2 3 1 2 3"
+            for k in $ks; do
+                timeout 60 python scripts/bwd_profile.py $args --versions 2 --deterministic --dq-chains $k \
+                    2>&1 | grep TFLOP | sed "s/\$/  (deterministic, dq chains $k)/"
             done
-        done | tee "$OUT/shared_starts.txt"
+        done | tee "$OUT/dq_chains.txt"
+    fi
+    exit 0
+fi
+
+if [ "$part" = 14 ]; then
+    python scripts/gpu_tier.py --out /tmp/pending-tier14 --archive "$OUT/tier14.tar.gz" --procs 15 --budget 150 \
+        --stall 100 --chunked -k "wide and (deterministic or rotated)" tests/test_gpu_backward.py > "$OUT/tier14.log" 2>&1
+    tail -1 "$OUT/tier14.log"
+    grep -h "^FAILED" /tmp/pending-tier14/report*.txt | head -10
+    if grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/tier14.log"); then
+        args="--d 256 --heads 8 --wide --causal"
+        timeout 60 python scripts/bwd_profile.py $args --versions 2 2>&1 | grep TFLOP | sed "s/\$/  (plain)/"
+        for k in 1 2 1 2; do
+            timeout 60 python scripts/bwd_profile.py $args --versions 2 --deterministic --dq-chains $k \
+                2>&1 | grep TFLOP | sed "s/\$/  (deterministic, dq chains $k)/"
+        done | tee "$OUT/dq_chains_causal.txt"
+        python -m hopper_fmha bench --preset backward --dtype float16 bfloat16 --out "$OUT/bwd14" > "$OUT/bwd14.log" 2>&1
+        tail -3 "$OUT/bwd14.log"
     fi
     exit 0
 fi

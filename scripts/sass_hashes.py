@@ -8,7 +8,7 @@ on two checkouts, and compare the lines:
 Addresses are dropped from the listing before hashing; registers and stack bytes are printed too.
 The configurations: the default dense kernels (v1 and v2 at their tiles, deterministic, GQA with
 atomic sums and softcap, varlen with a window), `DQ_FRAGMENTS` at each tile, the wide kernel's two
-shapes and the writer warp (`--set all`, slower), or a list of names.
+shapes, the writer warp and `DQ_CHAINS` (`--set all`, slower), or a list of names.
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ MORE = {
     "writer-d128-causal": dict(head_dim=128, causal=True, deterministic=True, tile_m=64, dq_writer=True),
     "writer-d128-tile80-rotated": dict(
         head_dim=128, causal=False, deterministic=True, tile_m=80, rotate=True, dq_writer=True
+    ),
+    "chains2-d128-tile80-rotated": dict(
+        head_dim=128, causal=False, deterministic=True, tile_m=80, rotate=True, dq_writer=True, dq_chains=2
+    ),
+    "chains2-wide-256-rotated": dict(
+        head_dim=256, causal=False, deterministic=True, rotate=True, dq_writer=True, dq_chains=2
     ),
 }
 

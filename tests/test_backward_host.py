@@ -69,12 +69,14 @@ def dense_kernel(
     dq_unscaled=False,
     dq_fragments=False,
     tile_m=64,
+    dq_chains=1,
 ):
     """A stand-in for a compiled backward kernel: the same 18 arguments, its part of the work
     done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks;
     the mask and softcap the compile key names, their sizes from the launch), written where the
     kernel writes; dQacc without the softmax scale where the key says so (`DQ_SCALE_AT_CAST`), in
-    fragment order where it says so (`DQ_FRAGMENTS`)."""
+    fragment order where it says so (`DQ_FRAGMENTS`); with `DQ_CHAINS` k > 1, dQacc holds k copies of
+    the padded rows, and key block n's part (128 keys) goes to copy n % k."""
 
     def run(
         q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group, left, right, softcap, cu_q, cu_k, max_k
@@ -85,6 +87,10 @@ def dense_kernel(
         )
         if dq_fragments:  # the rows of one head's buffer behind the (b, s_q, h, d) view
             launches[-1]["dq_rows"] = dq_acc.stride(2) // dq_acc.shape[3]
+        pad = -(-q.shape[1] // tile_m) * tile_m
+        if dq_chains > 1:
+            launches[-1]["dq_acc_rows"] = dq_acc.shape[1]
+            assert dq_acc.shape[1] == dq_chains * pad and sem.shape[-1] == dq_chains * pad // tile_m
         assert lse2.shape[-1] % 64 == 0 and lse2.shape == delta.shape and lse2.shape[-1] >= q.shape[1]
         assert (left >= 0, right >= 0) == window_sides and bool(softcap) == softcap_on
         assert cu_q is None and cu_k is None  # dense
@@ -102,11 +108,14 @@ def dense_kernel(
         p = torch.where(seen, torch.exp2(s * math.log2(math.e) - lse2.double()[..., None]), 0.0)
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
         ds = p * (dp - delta.double()[..., None]) * dtanh
-        dq_part = (torch.einsum("bhqk,bkhd->bqhd", ds, kk) * (1.0 if dq_unscaled else scale)).float()
-        if dq_fragments:
-            add_fragments(dq_acc, dq_part, tile_m)
-        else:
-            dq_acc += dq_part
+        for c in range(dq_chains):
+            keys = (torch.arange(k.shape[1]) // 128) % dq_chains == c  # copy c's key blocks
+            dq_part = torch.einsum("bhqk,bkhd->bqhd", ds * keys, kk) * (1.0 if dq_unscaled else scale)
+            copy = dq_acc[:, c * pad : c * pad + q.shape[1]]
+            if dq_fragments:
+                add_fragments(copy, dq_part.float(), tile_m)
+            else:
+                copy += dq_part.float()
         dk_heads = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
         dv_heads = torch.einsum("bhqk,bqhd->bkhd", p, dout.double())
         if not atomic:  # per q head (or MHA): stored
@@ -122,7 +131,10 @@ def dense_kernel(
 def binding_checked(key, kernel):
     """`kernel` behind the checks TVM-FFI makes at a compiled kernel's call (`tvm_ffi_binding`),
     against `fake_arguments` of the compile key."""
-    fake = sm90_bwd.fake_arguments(sm90_bwd._DTYPES[key[0]], key[1], key[3], key[5], key[6], key[10], key[15])
+    copies = len(key) > 17 and key[17] > 1  # (`DQ_CHAINS`: dQacc's rows their own size)
+    fake = sm90_bwd.fake_arguments(
+        sm90_bwd._DTYPES[key[0]], key[1], key[3], key[5], key[6], key[10], key[15], copies
+    )
 
     def run(*args):
         assert_binds(fake[:-1], args, str(key))  # (the stream is TVM-FFI's current one)
@@ -161,9 +173,11 @@ def kernels(monkeypatch):
     def compile_bwd(*key):
         keys.append(key)
         # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
-        # tile_m, rotate, dq_unscaled, dq_fragments, dv, dq_writer)
+        # tile_m, rotate, dq_unscaled, dq_fragments, dv, dq_writer, dq_chains)
         assert key[10] is False
-        kernel = dense_kernel(launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11])
+        kernel = dense_kernel(
+            launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11], dq_chains=key[17]
+        )
         return binding_checked(key, kernel)
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
@@ -215,6 +229,7 @@ def test_launch_matches_the_kernel_signature(kernels):
             sm90_bwd.tile_switch(sm90_bwd.DQ_FRAGMENTS, T64),
             64,
             False,
+            1,
         )
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
@@ -304,6 +319,43 @@ def test_dq_fragments(kernels, monkeypatch, kv_heads, deterministic, unscaled, d
     for ours, ref in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
         assert ours.dtype == torch.bfloat16 and ours.is_contiguous()
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
+@pytest.mark.parametrize("chains", [2, 3])
+@pytest.mark.parametrize("d, causal, tile", [(128, False, 80), (128, True, 64), (64, False, T64)])
+def test_dq_chains(kernels, monkeypatch, chains, fragments, d, causal, tile):
+    # `DQ_CHAINS` (compile-key element 17): deterministic calls with the writer warp and no causal
+    # or window ask for k chains; dQacc holds k copies of the padded rows (fragment order or not),
+    # the semaphores k per query block; the host sums the copies: the reference's gradients.
+    # Atomic and causal calls: 1 chain.
+    launches, keys = kernels
+    monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(d, d): chains, (256, 256): 1})
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
+    q, k, v, out, dout, lse = inputs(sq=170, sk=300, kv_heads=2, d=d)
+    if causal:
+        out, lse = reference(q, k, v, d**-0.5, True)
+        out = out.to(q.dtype)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*leaves, d**-0.5, causal, dtype=torch.float64)
+    expected = torch.autograd.grad(o, leaves, dout.double())
+    for deterministic in (False, True):
+        grads = sm90_bwd.backward(q, k, v, out, dout, lse, d**-0.5, causal, deterministic=deterministic)
+        chained = deterministic and not causal
+        assert keys[-1][11] == tile and keys[-1][17] == (chains if chained else 1)
+        assert ("dq_acc_rows" in launches[-1]) is chained
+        if chained:
+            assert launches[-1]["dq_acc_rows"] == chains * -(-170 // tile) * tile
+        for ours, ref in zip(grads, expected, strict=True):
+            assert ours.dtype == torch.bfloat16 and ours.is_contiguous()
+            torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_sum_copies_adds_in_order():
+    # fp32 addition is not associative: the copies are added first to last, always.
+    a, b, c = torch.tensor([1e8]), torch.tensor([-1e8]), torch.tensor([1.0])
+    assert sm90_bwd.sum_copies([a, b, c]).item() == 1.0  # (a + b) + c; a + (b + c) would be 0
+    assert sm90_bwd.sum_copies([a, b]).item() == 0.0
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -996,7 +1048,7 @@ def test_sass_hashes_configurations_bind_to_compile_bwd():
     spec.loader.exec_module(module)
     signature = inspect.signature(sm90_bwd.compile_bwd)
     configs = {**module.DENSE, **module.MORE}
-    assert len(configs) == 18
+    assert len(configs) == 20
     for name, kwargs in configs.items():
         signature.bind("bfloat16", **kwargs)  # raises TypeError on a name compile_bwd lacks
         assert kwargs["head_dim"] in (64, 128, 192, 256), name

@@ -849,38 +849,39 @@ def test_wide_rotated_walk_varlen(hopper_gpu, wide_rotate, dims, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, True, dims[0], case, "gqa", dims[1])
 
 
-# The deterministic walk with fewer query blocks than key blocks (`sm90_bwd_ws.SHARED_STARTS`,
-# session 30, off): CTA n starts at n % C and the turns follow (`shared_start_turn`; its order is
-# checked on the host in test_shared_start_walk.py). Kernels compiled with it stay out of the
-# process's kernel cache, whose key does not name the switch.
-@pytest.fixture
-def shared_starts(monkeypatch):
-    from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
+# Deterministic dQ in chains (`sm90_bwd.DQ_CHAINS`, session 31): k copies of dQacc, turn t of a
+# query block adding into copy t % k after turn t - k, the host summing the copies in order. Each
+# kernel the writer warp serves (d64 tile 128 in fragment order, d128 tile 80 rotated, d128
+# causal, the wide d256 and d192/dv128): gradients by the reference, twice bitwise equal; 100
+# bitwise repeats at d128 and d256; a window and softcap (turns over part of the key blocks).
+@pytest.fixture(params=[2, 3], ids=["k2", "k3"])
+def dq_chains(request, monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd
 
-    monkeypatch.setattr(sm90_bwd_ws, "SHARED_STARTS", True)
-    monkeypatch.setattr(sm90_bwd, "_compiled", {})
-
-
-SHARED_START_SEQLENS = [(1, 1), (113, 203), (128, 1000), (200, 3000), (1023, 1024)]
+    dims = [(64, 64), (128, 128), (192, 128), (256, 256)]
+    monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {d: request.param for d in dims})
 
 
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
-@pytest.mark.parametrize("seqlens", SHARED_START_SEQLENS, ids=[f"{a}x{b}" for a, b in SHARED_START_SEQLENS])
-def test_shared_starts_d128(hopper_gpu, shared_starts, seqlens, heads):
-    test_autograd_matches_reference(hopper_gpu, torch.bfloat16, True, False, seqlens, heads)
+@pytest.mark.parametrize("seqlens", AUTOGRAD_SEQLENS, ids=[f"{a}x{b}" for a, b in AUTOGRAD_SEQLENS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dq_chains_d128(hopper_gpu, dq_chains, causal, seqlens, heads):
+    test_autograd_matches_reference(hopper_gpu, torch.bfloat16, True, causal, seqlens, heads)
 
 
-@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [128, 64])
+def test_dq_chains_fragments(hopper_gpu, dq_chains, monkeypatch, d, causal):
+    test_dq_fragments_deterministic(hopper_gpu, monkeypatch, d, causal)
+
+
 @pytest.mark.parametrize("seqlens", WIDE_FEATURE_SEQLENS, ids=[f"{a}x{b}" for a, b in WIDE_FEATURE_SEQLENS])
-@pytest.mark.parametrize("feature", ["plain", "softcap"])
-def test_shared_starts_d256(hopper_gpu, wide_rotate, shared_starts, feature, seqlens, heads):
-    test_score_features_backward(hopper_gpu, torch.bfloat16, True, 256, feature, seqlens, heads, 256)
+@pytest.mark.parametrize("feature", ["plain", "causal", "softcap", "both"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128), (128, 128)], ids=["d256", "d192-dv128", "d128"])
+def test_dq_chains_features(hopper_gpu, wide, dq_chains, dims, feature, seqlens):
+    test_score_features_backward(hopper_gpu, torch.bfloat16, True, dims[0], feature, seqlens, "gqa", dims[1])
 
 
-def test_shared_starts_d256_is_bitwise_reproducible(hopper_gpu, wide_rotate, shared_starts):
-    test_deterministic_is_bitwise_reproducible(hopper_gpu, False, 256)  # 100 repeats
-
-
-@pytest.mark.parametrize("case", ["full", "softcap"])
-def test_shared_starts_d256_varlen(hopper_gpu, wide_rotate, shared_starts, case):
-    test_varlen_backward(hopper_gpu, torch.bfloat16, True, 256, case, "gqa", 256)
+@pytest.mark.parametrize("d", [128, 256])
+def test_dq_chains_bitwise_reproducible(hopper_gpu, wide, dq_chains, d):
+    test_deterministic_is_bitwise_reproducible(hopper_gpu, False, d)  # 100 repeats

@@ -404,6 +404,7 @@ def fake_arguments(
     dkv_atomic: bool = False,
     varlen: bool = False,
     head_dim_v: int | None = None,
+    dq_copies: bool = False,
 ):
     """Compile-time stand-ins for `BwdSm90.__call__`'s arguments (v, dO, dV of head_dim_v where
     given): sizes symbolic, 16-bit and fp32
@@ -413,9 +414,12 @@ def fake_arguments(
     (dkv_atomic) fp32 per kv head. varlen: cu_seqlens_q/k int32 (batch + 1,) (the 16-bit and fp32
     tensors then hold the packed rows with a batch mode of 1, and LSE, D, dQacc the padded ones:
     dQacc's rows and the semaphores' sequences get symbols of their own, since TVM-FFI checks at
-    the call that the sizes sharing a symbol are equal)."""
+    the call that the sizes sharing a symbol are equal). dq_copies: dQacc's rows a symbol of their
+    own also when dense (`DQ_CHAINS`' copies of the padded rows)."""
     b, sq, sk, h, hkv, nm, sp = (cute.sym_int() for _ in range(7))
     dq_rows, sem_batch = (cute.sym_int(), cute.sym_int()) if varlen else (sq, b)
+    if dq_copies:
+        dq_rows = cute.sym_int()
 
     def bshd(seqlen, heads, elem, dim=head_dim):
         stride = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
@@ -475,6 +479,7 @@ def compile_bwd(
     dq_fragments: bool = False,
     head_dim_v: int | None = None,
     dq_writer: bool = False,
+    dq_chains: int = 1,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
@@ -483,7 +488,7 @@ def compile_bwd(
     only); dq_unscaled: dQacc without the softmax scale (`DQ_SCALE_AT_CAST`); dq_fragments: dQacc in
     fragment order (`DQ_FRAGMENTS`); head_dim_v: v's, dO's, dV's (None: head_dim), past 128 the
     wide kernel's pairs (`sm90_bwd_wide.SHAPES`); dq_writer: deterministic turns and dQ's adds by
-    a warp of their own (`DQ_WRITER_WARP`).
+    a warp of their own (`DQ_WRITER_WARP`); dq_chains: deterministic dQ's chains (`DQ_CHAINS`).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
@@ -495,25 +500,25 @@ def compile_bwd(
         assert tile_m == TILE, "the wide kernel steps 64 queries"
         kernel = BwdWideSm90(
             dtype, head_dim, head_dim_v, causal, deterministic, window_left, window_right, softcap, varlen,
-            dq_unscaled, dq_writer, rotate,
+            dq_unscaled, dq_writer, rotate, dq_chains,
         )  # fmt: skip
     elif version == 2:
         from .sm90_bwd_ws import BwdWsSm90
 
         kernel = BwdWsSm90(
             dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen,
-            tile_m, rotate, dq_unscaled, dq_fragments, dq_writer,
+            tile_m, rotate, dq_unscaled, dq_fragments, dq_writer, dq_chains,
         )  # fmt: skip
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
         assert not (window_left or window_right or softcap or varlen), "version 1: no window, softcap, varlen"
         assert tile_m == TILE, "version 1 steps 64 queries"
         assert not rotate, "version 1: no rotated deterministic walk"
-        assert not (dq_fragments or dq_writer), "version 1: dQ by atomics"
+        assert not (dq_fragments or dq_writer) and dq_chains == 1, "version 1: dQ by atomics"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic, dq_unscaled)
     return cute.compile(
         kernel,
-        *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic, varlen, head_dim_v),
+        *fake_arguments(dtype, head_dim, deterministic, mha, dkv_atomic, varlen, head_dim_v, dq_chains > 1),
         options=opts,
     )
 
@@ -588,6 +593,31 @@ def dq_writer(deterministic: bool, tile_m: int, wide: bool = False) -> bool:
     return tile_switch(DQ_WRITER_PLAIN, tile_m) and not wide
 
 
+# Deterministic dQ in k chains per query block (`sm90_bwd_ws` `dq_chains`, dense): turn t adds into
+# copy t % k of dQacc after turn t - k, and the host sums the copies in order, so a block's
+# hand-offs (wait for the turn, reduce-add, its completion, the release) run k at a time. Why
+# (v30, ncu, d256 B4 N4096: 64 query blocks, 86 key blocks, no rotation): 39% of the stall samples
+# were the consumers waiting for the writer warp, which polled each turn 2.4 times; each block's
+# adds were one chain of 86 hand-offs. Predicted (a simulation of the hand-offs) 69% of the plain
+# rate -> 85-95% at k = 2. Measured (H200, session 31, `bwd_profile --versions 2 --deterministic
+# --dq-chains k`, bf16 B4 N4096, TFLOP/s, k = 1 / 2 / 3, twice): d256 212 210 / 236 225 / 232 224
+# (plain 308: 69% -> 75%); d128 497 497 / 466 469 (plain 556); d128 causal 376 378 / 341 358;
+# d64 440 444 / 408 430 (plain 443): a loss where the chains were short already (k - 1 more zeroed
+# copies of dQacc and their sum); d256 causal 217 215 / 212 210 (plain 282). The backward preset
+# (k = 2 at d256, causal included): deterministic d256 216 -> 237 TFLOP/s fp16 (70% -> 77% of plain),
+# causal 221 -> 214. On for the kernel head dims (d, dv) listed, k each, without causal or window.
+DQ_CHAINS: dict[tuple[int, int], int] = {(256, 256): 2}
+
+
+def dq_chains(
+    deterministic: bool, version: int, writer: bool, head_dims: tuple[int, int], masked: bool = False
+) -> int:
+    """The dense kernel's dQ chains (`DQ_CHAINS`) at kernel head dims (d, dv): deterministic v2
+    with the writer warp, not `masked` (causal or a window)."""
+    on = deterministic and version == 2 and writer and not masked
+    return DQ_CHAINS.get(head_dims, 1) if on else 1
+
+
 def fragment_dims(tile_m: int, head_dim: int):
     """How a block of `tile_m` queries x `head_dim` of the fragment-ordered dQacc is laid out
     (`DQ_FRAGMENTS`): (J, query_dims, d_dims, perm). A block holds, per warpgroup wg, the values
@@ -634,6 +664,15 @@ def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: in
         write(last.view(b, 1, *query_dims, h, *d_dims), src[:, full:])
         dq[:, full * tile_m :] = last[:, : seqlen_q - full * tile_m]
     return dq
+
+
+def sum_copies(copies):
+    """copies[0] + copies[1] + ... (fp32), added in that order: a fixed order, as deterministic
+    mode needs (`DQ_CHAINS`)."""
+    total = copies[0] + copies[1]
+    for c in copies[2:]:
+        total += c
+    return total
 
 
 def cast_dq(dq_acc, dtype, scale: float | None):
@@ -890,12 +929,15 @@ def backward(
     # The kernel and the host below agree on these two (both in the compile key).
     dq_unscaled = tile_switch(DQ_SCALE_AT_CAST, tile_m)
     dq_fragments = tile_switch(DQ_FRAGMENTS, tile_m) and version == 2 and not wide
+    writer = dq_writer(bool(deterministic), tile_m, wide) and version == 2
+    chains = dq_chains(bool(deterministic), version, writer, (d, d_v), causal or left >= 0 or right >= 0)
+    blocks = -(-seqlen_q // tile_m)
     if dq_fragments:  # per (batch, head), whole blocks: each block's fragments contiguous
-        blocks = -(-seqlen_q // tile_m)
-        frag = torch.zeros(batch, heads, blocks * tile_m, d, device=q.device, dtype=torch.float32)
-        dq_acc = frag.transpose(1, 2)[:, :seqlen_q]
-    else:
-        dq_acc = torch.zeros(batch, seqlen_q, heads, d, device=q.device, dtype=torch.float32)
+        frag = torch.zeros(batch, heads, chains * blocks * tile_m, d, device=q.device, dtype=torch.float32)
+        dq_acc = frag.transpose(1, 2)[:, : seqlen_q if chains == 1 else None]
+    else:  # (chains: copies of the padded rows, one after another)
+        rows = seqlen_q if chains == 1 else chains * blocks * tile_m
+        dq_acc = torch.zeros(batch, rows, heads, d, device=q.device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
     # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;
@@ -906,11 +948,10 @@ def backward(
     dk, dv = (alloc(batch, seqlen_k, dkv_heads, n, device=q.device, dtype=dkv_dtype) for n in (d, d_v))
     sem = None
     if deterministic:
-        sem = torch.zeros(batch, heads, -(-seqlen_q // tile_m), device=q.device, dtype=torch.int32)
+        sem = torch.zeros(batch, heads, chains * blocks, device=q.device, dtype=torch.int32)
     rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device, d, d_v)
-    writer = dq_writer(bool(deterministic), tile_m, wide) and version == 2
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
-    key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer)
+    key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer, chains)
     fn = _compiled.get(key) or _kernel(key)
     if seqlen_k > 0 and seqlen_q > 0:
         from . import grid_spans
@@ -929,6 +970,12 @@ def backward(
     if not mha and not atomic:
         dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
         dv = dv.view(batch, seqlen_k, kv_heads, group, d_v).sum(3)
+    if chains > 1:  # the copies' sum, in their order
+        if dq_fragments:
+            frag = sum_copies(frag.view(batch, heads, chains, blocks * tile_m, d).unbind(2))
+        else:
+            copies = dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, :, :seqlen_q]
+            dq_acc = sum_copies(copies.unbind(1))
     scale = softmax_scale if dq_unscaled else None
     if dq_fragments:
         dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale, tile_m)

@@ -35,7 +35,10 @@ causal or window (`rotate`) CTA n starts its walk at query block n * (C // num_n
 the CTAs of a head do not all queue at block 0 (the plain ascending order made CTA n wait n turns
 there); the turns follow the arrival order (`turn`). With `dq_writer` the turns are waited for and
 passed, and the adds issued, by the producer warpgroup's second warp instead (`write_dq`), so the
-consumers never wait for a turn, only (one block later) for their dQ buffers.
+consumers never wait for a turn, only (one block later) for their dQ buffers. `dq_chains` k > 1
+(writer, dense): a block's turns form k interleaved chains, turn t adding into copy t % k of
+dQacc's rows after turn t - k, so a block's hand-offs run k at a time; the host sums the copies
+in a fixed order.
 
 The epilogue writes dK * scale and dV per q head (MHA: in the inputs' type), or, with GQA and not
 deterministic (`dkv_atomic`), adds them into per-kv-head fp32 sums (red.global.add.v2.f32), so
@@ -96,13 +99,6 @@ STAGES = 2  # Q and dO pipeline stages
 # Producer, consumers (setmaxnreg, which ptxas honours only with min_blocks_per_mp=1 at launch):
 # 24 * 128 + 240 * 256 <= 64K.
 REGISTERS = (24, 240)
-# Deterministic rotated walk with fewer query blocks than key blocks (C < num_n, e.g. d256 at
-# N4096: 64 x 86), where `walk`'s stride is 0 and every CTA of a head visited the same block at the
-# same step, each block's adds one chain across the head (v30's ncu: the consumers waited 39% of
-# the time for the dQ buffer). With this: CTA n starts at n % C, so at most ceil(num_n / C) CTAs
-# share a block at a step, and the turns follow (`shared_start_turn`). Built in session 30 without
-# GPU time: off until measured and GPU-tested.
-SHARED_STARTS = False
 BARRIER_DS = 1  # named barrier: both consumer warpgroups' dS^T rows are in sdS
 BARRIER_TURN = 2  # deterministic mode: the CTA's turn to add dQ has come / its adds are done
 BARRIER_DQ = 3  # + warpgroup: its dQ buffer is free / written (TMA reduce-add of dQ)
@@ -122,25 +118,6 @@ BARRIER_PDS_FREE = 6
 BARRIER_DQ_FULL = 7
 BARRIER_DQ_EMPTY = 8
 DQ_WRITER_THREADS = NUM_MMA_THREADS + 32
-
-
-def shared_start_turn(m, n, count, num_n, minimum):
-    """The turn of CTA (key block) n at query block m (both from 0) on `SHARED_STARTS`' walk: C =
-    count query blocks, num_n > C key blocks, CTA n starting at n % C and wrapping. CTAs reach m
-    in groups, those sharing a start at the same step d = (m - n % C) mod C, groups by d, and within
-    a group by n // C. The turn: the sizes of the d groups before (residues m, m - 1, ...,
-    m - d + 1 mod C; q = num_n // C CTAs each, one more for the residues below num_n % C) plus
-    n // C. Branch-free on non-negative integers, so the same function serves the kernel
-    (`minimum` = cutlass.min) and the host tests (`min`)."""
-    q = num_n // count
-    rem = num_n - q * count
-    d = (m - n % count + count) % count
-    lo = (m - d + 1 + count) % count
-
-    def below(x):  # residues under rem among 0, 1, ..., x - 1
-        return (x // count) * rem + minimum(x % count, rem)
-
-    return d * q + below(lo + d) - below(lo) + n // count
 
 
 class BwdWsSm90(BwdSm90):
@@ -173,6 +150,7 @@ class BwdWsSm90(BwdSm90):
         dq_unscaled: bool = False,
         dq_fragments: bool = False,
         dq_writer: bool = False,
+        dq_chains: int = 1,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
@@ -190,7 +168,9 @@ class BwdWsSm90(BwdSm90):
         order has one wrap-around wait on a later-launched CTA.
         dq_writer: dQ's reduce-adds are issued (deterministic: the turns waited for and passed)
         by a warp of its own (the producer warpgroup's second, `write_dq`); the consumer
-        warpgroups only stage dQ and go on (`sm90_bwd.DQ_WRITER_WARP`, `DQ_WRITER_PLAIN`)."""
+        warpgroups only stage dQ and go on (`sm90_bwd.DQ_WRITER_WARP`, `DQ_WRITER_PLAIN`).
+        dq_chains (deterministic, dq_writer, dense): the turns at a query block split into this
+        many interleaved chains, turn t adding into copy t % dq_chains of dQacc (`write_dq`)."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -215,6 +195,7 @@ class BwdWsSm90(BwdSm90):
         assert not (dq_fragments and varlen), "dq_fragments: dense"
         self.dq_fragments = dq_fragments
         self.dq_writer = dq_writer
+        self.set_dq_chains(dq_chains)
         # dQ per warpgroup: 64 rows x d / 2 columns (tile_m 64), or 64 of the 128 rows x d.
         self.dq_by_rows = tile_m == 2 * TILE_M
         # tile_m 80 (FA4's d128 non-causal tile): dQ = dS K has M = 80 queries, which WGMMA does
@@ -235,6 +216,12 @@ class BwdWsSm90(BwdSm90):
         self.descending = causal or window_right
         self.rotate = rotate
         self.dkv_tma = tile_m in DKV_TMA_TILES
+
+    def set_dq_chains(self, dq_chains: int):
+        """Deterministic dQ's chains (`write_dq`; `sm90_bwd.DQ_CHAINS`): the writer warp's turns,
+        on dense rows only (dQacc holds dq_chains copies of the padded query rows)."""
+        assert dq_chains == 1 or (self.deterministic and self.dq_writer and not self.varlen), "dq_chains"
+        self.dq_chains = dq_chains
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -867,21 +854,17 @@ class BwdWsSm90(BwdSm90):
 
     @cute.jit
     def walk(self, n_block, seqlen, m_min, m_max):
-        """(first query block this CTA visits, stride, num_n, C): [m_min, m_max) in order from
-        m_min, or (`rotate`) from m_min + n_block * stride, stride = C // num_n for C query blocks
-        and num_n key blocks, wrapping at m_max. stride 0 (C < num_n, or no work): no rotation;
-        with `SHARED_STARTS` and 0 < C < num_n, from m_min + n_block % C instead."""
-        first, stride, num_n, count = m_min, Int32(0), Int32(1), m_max - m_min
+        """(first query block this CTA visits, stride, num_n): [m_min, m_max) in order from m_min,
+        or (`rotate`) from m_min + n_block * stride, stride = C // num_n for C query blocks and
+        num_n key blocks, wrapping at m_max. stride 0 (C < num_n, or no work): no rotation."""
+        first, stride, num_n = m_min, Int32(0), Int32(1)
         if const_expr(self.rotate):
             num_n = cutlass.max((seqlen.seqlen_k + self.tile_n - 1) // self.tile_n, 1)
             if const_expr(self.varlen):
                 num_n = cutlass.min(num_n, cute.arch.grid_dim()[0])  # (as the turns' n_max)
-            stride = count // num_n
+            stride = (m_max - m_min) // num_n
             first = m_min + n_block * stride
-            if const_expr(SHARED_STARTS):
-                if stride == 0 and count > 0:
-                    first = m_min + n_block % count
-        return first, stride, num_n, count
+        return first, stride, num_n
 
     @cute.jit
     def walk_block(self, i, m_min, m_max, walk):
@@ -899,18 +882,14 @@ class BwdWsSm90(BwdSm90):
         order they reach m. CTA n starts at n * stride, so the last to have started at or before m,
         n0 = min(m // stride, num_n - 1), reaches it first, then n0 - 1, ..., 0, then num_n - 1,
         ..., n0 + 1 (each reaches m stride steps after the one before it). Without rotation
-        (stride 0) every CTA starts at m_min: descending, the launch order; with `SHARED_STARTS`
-        (C < num_n), `shared_start_turn`."""
-        _, stride, num_n, count = walk
+        (stride 0) every CTA starts at m_min: descending, the launch order."""
+        _, stride, num_n = walk
         turn = num_n - 1 - n_block
         if stride > 0:
             n0 = cutlass.min(m // stride, num_n - 1)
             turn = n0 - n_block
             if turn < 0:
                 turn = turn + num_n
-        if const_expr(SHARED_STARTS):
-            if stride == 0 and count > 0:
-                turn = shared_start_turn(m, n_block, count, num_n, cutlass.min)
         return turn
 
     @cute.jit
@@ -943,9 +922,16 @@ class BwdWsSm90(BwdSm90):
         lane = cute.arch.lane_idx()
         for i in cutlass.range(m_min, m_max, unroll=1):
             m_block = self.walk_block(i, m_min, m_max, walk)
+            acc_block = m_block  # (the block of dQacc this block's adds go to)
             if const_expr(self.deterministic):
                 turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)  # (before the wait)
-                sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+                if const_expr(self.dq_chains > 1):
+                    # Chain turn % k of the block's turns, each chain its own copy of the rows
+                    # and its own semaphore: a CTA waits for the one k turns before it.
+                    blocks = (seqlen.seqlen_q + self.tile_m - 1) // self.tile_m
+                    acc_block = m_block + turn % self.dq_chains * blocks
+                    turn = turn // self.dq_chains
+                sem = mSem.iterator + cute.crd2idx((batch, head, acc_block), mSem.layout)
             cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=DQ_WRITER_THREADS)
             if const_expr(self.deterministic):
                 if lane == 0:
@@ -959,9 +945,9 @@ class BwdWsSm90(BwdSm90):
             for wg in cutlass.range_constexpr(2):
                 if const_expr(self.dq_fragments):
                     if lane == 0:
-                        self.reduce_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg)
+                        self.reduce_dq(sdQ, tma_atom_dQ, mdQacc, acc_block, head, batch, seqlen, wg)
                 else:
-                    self.reduce_dq(sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg)
+                    self.reduce_dq(sdQ, tma_atom_dQ, mdQacc, acc_block, head, batch, seqlen, wg)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
