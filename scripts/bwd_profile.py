@@ -78,6 +78,12 @@ def main():
     ):
         parser.add_argument(switch, choices=("on", "off"), default=None, help=f"{what}, or not")
     parser.add_argument(
+        "--writer-warps",
+        type=int,
+        default=None,
+        help="deterministic dQ's writer warps (sm90_bwd_ws.DQ_WRITER_WARPS)",
+    )
+    parser.add_argument(
         "--dq-chains",
         type=int,
         default=None,
@@ -110,6 +116,8 @@ def main():
         sm90_bwd.DQ_WRITER_PLAIN = args.dq_writer_plain == "on"
     if args.wide_rotate is not None:
         sm90_bwd.WIDE_ROTATE = args.wide_rotate == "on"
+    if args.writer_warps is not None:
+        sm90_bwd_ws.DQ_WRITER_WARPS = args.writer_warps
     if args.dq_chains is not None:
         sm90_bwd.DQ_CHAINS = {(args.d, args.dv or args.d): args.dq_chains}
     if args.wide:

@@ -12,11 +12,17 @@
 #   13 sm90_bwd.DQ_CHAINS (session 31, run in session 31's second call): its GPU tests, then an A/B of
 #      the deterministic backward at k = 1, 2, 3 (d256, d128, d128 causal, d64; B4 N4096), the plain one
 #   14 DQ_CHAINS on at (256, 256), k = 2 (session 31): the wide kernel's deterministic tests, an A/B of
-#      d256 causal, then the backward preset
+#      d256 causal, then the backward preset (both run in session 31)
+#   15 sm90_bwd_ws.DQ_WRITER_WARPS = 2 (session 31, the experiment): its GPU tests, then an A/B of the
+#      deterministic backward with 1 and 2 writer warps (d256, d128, d128 causal, d256 causal) (run in
+#      session 31: 64 passed, +6-14%)
+#   16 DQ_WRITER_WARPS = 2 before it is turned on (session 31, not yet run): on this machine's copy of
+#      the tree (sed), the deterministic backward tests (~1165, of every kernel: dense, varlen, wide,
+#      fragments, rotated, chains) and the backward preset
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
-part=${1:-14}
+part=${1:-16}
 
 if [ "$part" = 13 ]; then
     python scripts/gpu_tier.py --out /tmp/pending-tier13 --archive "$OUT/tier13.tar.gz" --procs 15 --budget 240 \
@@ -51,6 +57,39 @@ if [ "$part" = 14 ]; then
         done | tee "$OUT/dq_chains_causal.txt"
         python -m hopper_fmha bench --preset backward --dtype float16 bfloat16 --out "$OUT/bwd14" > "$OUT/bwd14.log" 2>&1
         tail -3 "$OUT/bwd14.log"
+    fi
+    exit 0
+fi
+
+if [ "$part" = 15 ]; then
+    python scripts/gpu_tier.py --out /tmp/pending-tier15 --archive "$OUT/tier15.tar.gz" --procs 15 --budget 150 \
+        --stall 100 --chunked -k "writer_warps" tests/test_gpu_backward.py > "$OUT/tier15.log" 2>&1
+    tail -1 "$OUT/tier15.log"
+    grep -h "^FAILED" /tmp/pending-tier15/report*.txt | head -10
+    if grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/tier15.log"); then
+        for args in "--d 256 --heads 8 --wide" "--d 128 --heads 16" "--d 128 --heads 16 --causal" "--d 256 --heads 8 --wide --causal"; do
+            timeout 60 python scripts/bwd_profile.py $args --versions 2 2>&1 | grep TFLOP | sed "s/\$/  (plain)/"
+            for w in 1 2 1 2; do
+                timeout 60 python scripts/bwd_profile.py $args --versions 2 --deterministic --writer-warps $w \
+                    2>&1 | grep TFLOP | sed "s/\$/  (deterministic, writer warps $w)/"
+            done
+        done | tee "$OUT/writer_warps.txt"
+    fi
+    exit 0
+fi
+
+if [ "$part" = 16 ]; then
+    sed -i 's/^DQ_WRITER_WARPS = 1$/DQ_WRITER_WARPS = 2/' src/hopper_fmha/kernels/sm90_bwd_ws.py
+    grep -n "^DQ_WRITER_WARPS" src/hopper_fmha/kernels/sm90_bwd_ws.py
+    python scripts/gpu_tier.py --out /tmp/pending-tier16 --archive "$OUT/tier16.tar.gz" --procs 15 --budget 200 \
+        --stall 120 --chunked -k "deterministic or dq_writer or writer_warps or dq_chains or rotated" \
+        tests/test_gpu_backward.py tests/test_gpu_combine.py > "$OUT/tier16.log" 2>&1
+    tail -1 "$OUT/tier16.log"
+    grep -h "^FAILED" /tmp/pending-tier16/report*.txt | head -10
+    if grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/tier16.log"); then
+        timeout 280 python -m hopper_fmha bench --preset backward --dtype float16 bfloat16 --out "$OUT/bwd16" \
+            > "$OUT/bwd16.log" 2>&1
+        echo "backward rc=$?"; grep -h "auto\(+det\)\?\` | \(bwd\|fwd+bwd\)" "$OUT"/bwd16/*.md
     fi
     exit 0
 fi

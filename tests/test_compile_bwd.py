@@ -457,3 +457,35 @@ def test_dq_writer_plain_compiles(case):
     assert stack_bytes(writer) <= stack_bytes(plain)
     if tile_m == 80 and fragments:
         assert stack_bytes(writer) == 0  # (the swizzled staging spills 40 bytes there: NOTES "v25")
+
+
+def test_dq_chains_compile():
+    # `sm90_bwd.DQ_CHAINS` (compile-key field 17): the writer warp picks the copy of dQacc and the
+    # semaphore by its turn (turn % k, turn // k); same stack, the same adds and turns, more code.
+    key = ("bfloat16", 128, False, True, 2, True, False, False, False, False, False, 80, True)
+    key = key + (True, False, None, True)
+    one, two = bwd_cubin(*key, 1), bwd_cubin(*key, 2)
+    texts = [sass_or_skip(c) for c in (one, two)]
+    assert texts[0] != texts[1]
+    for op in ("UTMAREDG", "ATOMG", "BAR.ARV"):
+        assert texts[0].count(op) == texts[1].count(op), op
+    assert stack_bytes(two) == stack_bytes(one)
+
+
+def test_dq_writer_warps_compile(monkeypatch):
+    # `sm90_bwd_ws.DQ_WRITER_WARPS` 2 (session 31's experiment): a second writer warp with the
+    # odd steps' barrier pair (ids 9 and 10), so every add and turn site of the writer appears
+    # twice; the consumers' staging picks the pair by the step's parity.
+    from hopper_fmha.kernels import sm90_bwd_ws
+
+    key = ("bfloat16", 128, True, True, 2, True, False, False, False, False, False, 64, False)
+    key = key + (True, False, None, True)
+    one = bwd_cubin(*key)
+    monkeypatch.setattr(sm90_bwd_ws, "DQ_WRITER_WARPS", 2)
+    two = bwd_cubin(*key)
+    texts = [sass_or_skip(c) for c in (one, two)]
+    ids = [set(re.findall(r"\bBAR\.(?:SYNC|ARV)\S* (0x[0-9a-f]+)", t)) for t in texts]
+    assert not ids[0] & {"0x9", "0xa"} and {"0x9", "0xa"} <= ids[1]
+    for op in ("UTMAREDG", "ATOMG"):
+        assert texts[1].count(op) == 2 * texts[0].count(op), op
+    assert stack_bytes(two) <= stack_bytes(one)

@@ -885,3 +885,44 @@ def test_dq_chains_features(hopper_gpu, wide, dq_chains, dims, feature, seqlens)
 @pytest.mark.parametrize("d", [128, 256])
 def test_dq_chains_bitwise_reproducible(hopper_gpu, wide, dq_chains, d):
     test_deterministic_is_bitwise_reproducible(hopper_gpu, False, d)  # 100 repeats
+
+
+# Two writer warps for deterministic dQ (`sm90_bwd_ws.DQ_WRITER_WARPS`, session 31's experiment,
+# not in the in-process compile key: the kernel cache is cleared around it): even and odd steps
+# of the walk, each on its own pair of barriers. The same cases as the chains' (default chains).
+@pytest.fixture
+def writer_warps(monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
+
+    monkeypatch.setattr(sm90_bwd_ws, "DQ_WRITER_WARPS", 2)
+    monkeypatch.setattr(sm90_bwd, "_compiled", {})
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", AUTOGRAD_SEQLENS, ids=[f"{a}x{b}" for a, b in AUTOGRAD_SEQLENS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_writer_warps_d128(hopper_gpu, writer_warps, causal, seqlens, heads):
+    test_autograd_matches_reference(hopper_gpu, torch.bfloat16, True, causal, seqlens, heads)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [128, 64])
+def test_writer_warps_fragments(hopper_gpu, writer_warps, monkeypatch, d, causal):
+    test_dq_fragments_deterministic(hopper_gpu, monkeypatch, d, causal)
+
+
+@pytest.mark.parametrize("seqlens", WIDE_FEATURE_SEQLENS, ids=[f"{a}x{b}" for a, b in WIDE_FEATURE_SEQLENS])
+@pytest.mark.parametrize("feature", ["plain", "causal", "softcap", "both"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-dv128"])
+def test_writer_warps_features(hopper_gpu, wide, writer_warps, dims, feature, seqlens):
+    test_score_features_backward(hopper_gpu, torch.bfloat16, True, dims[0], feature, seqlens, "gqa", dims[1])
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_writer_warps_bitwise_reproducible(hopper_gpu, wide, writer_warps, d):
+    test_deterministic_is_bitwise_reproducible(hopper_gpu, False, d)  # 100 repeats
+
+
+@pytest.mark.parametrize("case", ["full", "softcap"])
+def test_writer_warps_varlen(hopper_gpu, wide, writer_warps, case):
+    test_varlen_backward(hopper_gpu, torch.bfloat16, True, 256, case, "gqa", 256)

@@ -297,7 +297,7 @@ class BwdWideSm90(BwdWsSm90):
             pipe_do.consumer_release(do_state)  # dP and dV^T, dO's readers, are done
             do_state.advance()
 
-            self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min)
+            self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min, (i - m_min) % 2 == 1)
             held = self.add_dq_at_turn(
                 sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, m_block, n_block, head, batch, m_min, walk,
                 held, tidx,

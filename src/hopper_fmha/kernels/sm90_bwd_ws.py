@@ -117,6 +117,21 @@ BARRIER_PDS_FREE = 6
 # (consumers 256 threads + the writer's 32).
 BARRIER_DQ_FULL = 7
 BARRIER_DQ_EMPTY = 8
+# `DQ_WRITER_WARPS` 2: the odd steps' pair (the even steps' are the two above).
+BARRIER_DQ_FULL_ODD = 9
+BARRIER_DQ_EMPTY_ODD = 10
+# Experiment (session 31, deterministic with the writer warp only; read when a kernel is built, not
+# in the in-process compile key): 2 writer warps, the producer warpgroup's second and third, take
+# the walk's even and odd steps, so that one block's wait for its adds to complete and the release
+# of its turn overlap the next block's turn and adds. Why: with `sm90_bwd.DQ_CHAINS` at 2 and 3 alike,
+# deterministic d256 still ran at 76% of plain; one warp's serial path per block (the turn's poll,
+# the reduce-add's read, its writes' completion, the release) is about one step's length there.
+# Measured (H200, session 31, `bwd_profile --versions 2 --deterministic --writer-warps 1/2/1/2`, bf16
+# B4 N4096, TFLOP/s): d256 222 / 253 / 228 / 260 (plain 299: 75% -> 86%), d128 448 / 488 / 478 / 525
+# (plain 514), d128 causal 400 / 444 / 398 / 402 (plain 451), d256 causal 215 / 215 / 211 / 217; 64
+# GPU tests passed (`-k writer_warps`). Off until the whole backward tier has run with it
+# (`scripts/gpu_pending.sh 16`); then on, in the compile key.
+DQ_WRITER_WARPS = 1
 DQ_WRITER_THREADS = NUM_MMA_THREADS + 32
 
 
@@ -222,6 +237,8 @@ class BwdWsSm90(BwdSm90):
         on dense rows only (dQacc holds dq_chains copies of the padded query rows)."""
         assert dq_chains == 1 or (self.deterministic and self.dq_writer and not self.varlen), "dq_chains"
         self.dq_chains = dq_chains
+        # (`DQ_WRITER_WARPS`, the experiment: deterministic with the writer warp only)
+        self.writer_warps = DQ_WRITER_WARPS if self.deterministic and self.dq_writer else 1
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -477,10 +494,12 @@ class BwdWsSm90(BwdSm90):
                     head // qhead_per_kvhead, batch, seqlen, m_min, m_max, walk,
                 )  # fmt: skip
             if const_expr(self.dq_writer):
-                if warp_idx == 1:
-                    self.write_dq(
-                        sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, n_block, head, batch, m_min, m_max, walk
-                    )
+                for w in cutlass.range_constexpr(self.writer_warps):  # (warps 1, 2: parities 0, 1)
+                    if warp_idx == 1 + w:
+                        self.write_dq(
+                            sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, n_block, head, batch, m_min, m_max,
+                            walk, w,
+                        )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(REGISTERS[1])
             tidx = cute.arch.thread_idx()[0] - WARPGROUP
@@ -695,7 +714,7 @@ class BwdWsSm90(BwdSm90):
 
             # dQ into sdQ, then (deterministic: at the CTA's turn, complete before the turn passes,
             # `release_turn`) added into dQacc by TMA.
-            self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min)
+            self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min, (i - m_min) % 2 == 1)
             held = self.add_dq_at_turn(
                 sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, m_block, n_block, head, batch, m_min, walk,
                 held, tidx,
@@ -911,16 +930,23 @@ class BwdWsSm90(BwdSm90):
 
     @cute.jit
     def write_dq(
-        self, sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, n_block, head, batch, m_min, m_max, walk
-    ):
+        self, sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, n_block, head, batch, m_min, m_max, walk,
+        parity: cutlass.Constexpr = 0,
+    ):  # fmt: skip
         """`dq_writer`'s warp (the producer warpgroup's second): per query block of the walk, once
         both consumer warpgroups have staged their dQ parts (`BARRIER_DQ_FULL`), (deterministic:
         wait for the CTA's turn,) add both parts into dQacc, hand the buffers back once read
         (`BARRIER_DQ_EMPTY`, not after the last block, whose staging nobody waits for), and
         (deterministic) pass the turn once the adds are complete. The consumers wait for neither
-        a turn nor a bulk group: only for the buffers, one block later."""
+        a turn nor a bulk group: only for the buffers, one block later. With `writer_warps` 2, this
+        warp takes the walk's steps of `parity` (0 even, 1 odd), on that parity's barriers."""
         lane = cute.arch.lane_idx()
-        for i in cutlass.range(m_min, m_max, unroll=1):
+        full, empty, step = BARRIER_DQ_FULL, BARRIER_DQ_EMPTY, 1
+        if const_expr(self.writer_warps == 2):
+            step = 2
+            if const_expr(parity == 1):
+                full, empty = BARRIER_DQ_FULL_ODD, BARRIER_DQ_EMPTY_ODD
+        for i in cutlass.range(m_min + parity, m_max, step, unroll=1):
             m_block = self.walk_block(i, m_min, m_max, walk)
             acc_block = m_block  # (the block of dQacc this block's adds go to)
             if const_expr(self.deterministic):
@@ -932,7 +958,7 @@ class BwdWsSm90(BwdSm90):
                     acc_block = m_block + turn % self.dq_chains * blocks
                     turn = turn // self.dq_chains
                 sem = mSem.iterator + cute.crd2idx((batch, head, acc_block), mSem.layout)
-            cute.arch.barrier(barrier_id=BARRIER_DQ_FULL, number_of_threads=DQ_WRITER_THREADS)
+            cute.arch.barrier(barrier_id=full, number_of_threads=DQ_WRITER_THREADS)
             if const_expr(self.deterministic):
                 if lane == 0:
                     seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
@@ -952,7 +978,7 @@ class BwdWsSm90(BwdSm90):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
             if i + 1 < m_max:
-                cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_EMPTY, number_of_threads=DQ_WRITER_THREADS)
+                cute.arch.barrier_arrive(barrier_id=empty, number_of_threads=DQ_WRITER_THREADS)
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 cute.arch.fence_proxy("async.global")  # the adds' writes before the turn's release
@@ -1002,7 +1028,7 @@ class BwdWsSm90(BwdSm90):
         )
 
     @cute.jit
-    def stage_dq(self, acc_dQ, sdQ, scale, tidx, again):
+    def stage_dq(self, acc_dQ, sdQ, scale, tidx, again, odd=False):
         """scale * acc_dQ (this warpgroup's part of a query block's dQ, `dq_tile`; no scale with
         dq_unscaled) into its buffer of sdQ, once the previous block's reduce-add has read it
         (`issue_dq`'s issuer waits; with `dq_writer`, the writer warp says so where `again`: not
@@ -1010,7 +1036,7 @@ class BwdWsSm90(BwdSm90):
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wtid = tidx % WARPGROUP
         if const_expr(self.dq_fragments):
-            self.stage_dq_fragments(acc_dQ, sdQ, scale, wg, wtid, again)
+            self.stage_dq_fragments(acc_dQ, sdQ, scale, wg, wtid, again, odd)
         else:
             # This warpgroup's accumulator is a one-warpgroup GEMM's of `dq_tile`.
             half_mma = sm90_utils.make_trivial_tiled_mma(
@@ -1021,39 +1047,54 @@ class BwdWsSm90(BwdSm90):
             if const_expr(self.dq_swapped):  # the buffer seen as (d / 2, tile_m): dQ^T's shape
                 sdQ_wg = cute.composition(sdQ_wg, cute.make_ordered_layout(self.dq_mma_tile, order=(1, 0)))
             tdQsdQ = half_mma.get_slice(wtid).partition_C(sdQ_wg)
-            self.dq_buffer_free(wg, wtid, again)
+            self.dq_buffer_free(wg, wtid, again, odd)
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                 tdQsdQ[i] = acc_dQ[i] if const_expr(self.dq_unscaled) else acc_dQ[i] * scale
             cute.arch.fence_view_async_shared()
-            self.dq_buffer_written(wg)
+            self.dq_buffer_written(wg, odd)
 
     @cute.jit
-    def dq_buffer_free(self, wg, wtid, again):
+    def dq_buffer_free(self, wg, wtid, again, odd=False):
         """Until warpgroup wg's sdQ buffer may be written: its previous reduce-add has read it
         (the issuing warp waits for its bulk group, then the warpgroup syncs), or, with
-        `dq_writer`, the writer warp has read both buffers (after the walk's first block)."""
+        `dq_writer`, the writer warp has read both buffers (after the walk's first block; with
+        `writer_warps` 2, the warp of the other parity than this step's, `odd`)."""
         if const_expr(self.dq_writer):
             if again:
-                cute.arch.barrier(barrier_id=BARRIER_DQ_EMPTY, number_of_threads=DQ_WRITER_THREADS)
+                n = DQ_WRITER_THREADS
+                if const_expr(self.writer_warps == 2):
+                    if odd:  # (the previous step's: even)
+                        cute.arch.barrier(barrier_id=BARRIER_DQ_EMPTY, number_of_threads=n)
+                    else:
+                        cute.arch.barrier(barrier_id=BARRIER_DQ_EMPTY_ODD, number_of_threads=n)
+                else:
+                    cute.arch.barrier(barrier_id=BARRIER_DQ_EMPTY, number_of_threads=n)
         else:
             if wtid < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
 
     @cute.jit
-    def dq_buffer_written(self, wg):
+    def dq_buffer_written(self, wg, odd=False):
         """After warpgroup wg's part is in sdQ (and fenced for the async proxy): its warpgroup
         syncs before one warp issues the add, or, with `dq_writer`, it tells the writer warp and
         goes on."""
         if const_expr(self.dq_writer):
-            cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_FULL, number_of_threads=DQ_WRITER_THREADS)
+            n = DQ_WRITER_THREADS
+            if const_expr(self.writer_warps == 2):
+                if odd:
+                    cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_FULL_ODD, number_of_threads=n)
+                else:
+                    cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_FULL, number_of_threads=n)
+            else:
+                cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_FULL, number_of_threads=n)
         else:
             cute.arch.barrier(barrier_id=BARRIER_DQ + wg, number_of_threads=WARPGROUP)
 
     @cute.jit
-    def stage_dq_fragments(self, acc_dQ, sdQ, scale, wg, wtid, again):
+    def stage_dq_fragments(self, acc_dQ, sdQ, scale, wg, wtid, again, odd=False):
         """`stage_dq` in fragment order (`dq_fragment_layout`): 16-byte stores, no swizzle."""
-        self.dq_buffer_free(wg, wtid, again)
+        self.dq_buffer_free(wg, wtid, again, odd)
         for k in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
             vals = cute.make_rmem_tensor((4,), Float32)
             for c in cutlass.range_constexpr(4):
@@ -1061,7 +1102,7 @@ class BwdWsSm90(BwdSm90):
                 vals[c] = v if const_expr(self.dq_unscaled) else v * scale
             cute.autovec_copy(vals, sdQ[None, wtid, k, wg])
         cute.arch.fence_view_async_shared()
-        self.dq_buffer_written(wg)
+        self.dq_buffer_written(wg, odd)
 
     @cute.jit
     def issue_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, tidx):
