@@ -81,7 +81,7 @@ def main():
         "--writer-warps",
         type=int,
         default=None,
-        help="deterministic dQ's writer warps (sm90_bwd_ws.DQ_WRITER_WARPS)",
+        help="deterministic dQ's writer warps (sm90_bwd.DQ_WRITER_WARPS)",
     )
     parser.add_argument(
         "--dq-chains",
@@ -117,7 +117,7 @@ def main():
     if args.wide_rotate is not None:
         sm90_bwd.WIDE_ROTATE = args.wide_rotate == "on"
     if args.writer_warps is not None:
-        sm90_bwd_ws.DQ_WRITER_WARPS = args.writer_warps
+        sm90_bwd.DQ_WRITER_WARPS = args.writer_warps
     if args.dq_chains is not None:
         sm90_bwd.DQ_CHAINS = {(args.d, args.dv or args.d): args.dq_chains}
     if args.wide:

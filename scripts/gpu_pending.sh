@@ -13,7 +13,7 @@
 #      the deterministic backward at k = 1, 2, 3 (d256, d128, d128 causal, d64; B4 N4096), the plain one
 #   14 DQ_CHAINS on at (256, 256), k = 2 (session 31): the wide kernel's deterministic tests, an A/B of
 #      d256 causal, then the backward preset (both run in session 31)
-#   15 sm90_bwd_ws.DQ_WRITER_WARPS = 2 (session 31, the experiment): its GPU tests, then an A/B of the
+#   15 DQ_WRITER_WARPS = 2 (then sm90_bwd_ws's, since a8a4ce1 sm90_bwd's) (session 31, the experiment): its GPU tests, then an A/B of the
 #      deterministic backward with 1 and 2 writer warps (d256, d128, d128 causal, d256 causal) (run in
 #      session 31: 64 passed, +6-14%)
 #   16 DQ_WRITER_WARPS = 2 before it is turned on (session 31, not yet run): on this machine's copy of
@@ -79,8 +79,8 @@ if [ "$part" = 15 ]; then
 fi
 
 if [ "$part" = 16 ]; then
-    sed -i 's/^DQ_WRITER_WARPS = 1$/DQ_WRITER_WARPS = 2/' src/hopper_fmha/kernels/sm90_bwd_ws.py
-    grep -n "^DQ_WRITER_WARPS" src/hopper_fmha/kernels/sm90_bwd_ws.py
+    sed -i 's/^DQ_WRITER_WARPS = 1$/DQ_WRITER_WARPS = 2/' src/hopper_fmha/kernels/sm90_bwd.py
+    grep -n "^DQ_WRITER_WARPS" src/hopper_fmha/kernels/sm90_bwd.py
     python scripts/gpu_tier.py --out /tmp/pending-tier16 --archive "$OUT/tier16.tar.gz" --procs 15 --budget 200 \
         --stall 120 --chunked -k "deterministic or dq_writer or writer_warps or dq_chains or rotated" \
         tests/test_gpu_backward.py tests/test_gpu_combine.py > "$OUT/tier16.log" 2>&1

@@ -57,6 +57,9 @@ MORE = {
     "chains2-wide-256-rotated": dict(
         head_dim=256, causal=False, deterministic=True, rotate=True, dq_writer=True, dq_chains=2
     ),
+    "writer-warps2-d128-causal": dict(
+        head_dim=128, causal=True, deterministic=True, tile_m=64, dq_writer=True, dq_writer_warps=2
+    ),
 }
 
 

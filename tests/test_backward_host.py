@@ -173,7 +173,7 @@ def kernels(monkeypatch):
     def compile_bwd(*key):
         keys.append(key)
         # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
-        # tile_m, rotate, dq_unscaled, dq_fragments, dv, dq_writer, dq_chains)
+        # tile_m, rotate, dq_unscaled, dq_fragments, dv, dq_writer, dq_chains, dq_writer_warps)
         assert key[10] is False
         kernel = dense_kernel(
             launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11], dq_chains=key[17]
@@ -229,6 +229,7 @@ def test_launch_matches_the_kernel_signature(kernels):
             sm90_bwd.tile_switch(sm90_bwd.DQ_FRAGMENTS, T64),
             64,
             False,
+            1,
             1,
         )
     ]
@@ -1048,7 +1049,7 @@ def test_sass_hashes_configurations_bind_to_compile_bwd():
     spec.loader.exec_module(module)
     signature = inspect.signature(sm90_bwd.compile_bwd)
     configs = {**module.DENSE, **module.MORE}
-    assert len(configs) == 20
+    assert len(configs) == 21
     for name, kwargs in configs.items():
         signature.bind("bfloat16", **kwargs)  # raises TypeError on a name compile_bwd lacks
         assert kwargs["head_dim"] in (64, 128, 192, 256), name

@@ -472,17 +472,13 @@ def test_dq_chains_compile():
     assert stack_bytes(two) == stack_bytes(one)
 
 
-def test_dq_writer_warps_compile(monkeypatch):
-    # `sm90_bwd_ws.DQ_WRITER_WARPS` 2 (session 31's experiment): a second writer warp with the
-    # odd steps' barrier pair (ids 9 and 10), so every add and turn site of the writer appears
-    # twice; the consumers' staging picks the pair by the step's parity.
-    from hopper_fmha.kernels import sm90_bwd_ws
-
+def test_dq_writer_warps_compile():
+    # `sm90_bwd.DQ_WRITER_WARPS` 2 (compile-key field 18; session 31's experiment): a second writer
+    # warp with the odd steps' barrier pair (ids 9 and 10), so every add and turn site of the
+    # writer appears twice; the consumers' staging picks the pair by the step's parity.
     key = ("bfloat16", 128, True, True, 2, True, False, False, False, False, False, 64, False)
-    key = key + (True, False, None, True)
-    one = bwd_cubin(*key)
-    monkeypatch.setattr(sm90_bwd_ws, "DQ_WRITER_WARPS", 2)
-    two = bwd_cubin(*key)
+    key = key + (True, False, None, True, 1)
+    one, two = bwd_cubin(*key, 1), bwd_cubin(*key, 2)
     texts = [sass_or_skip(c) for c in (one, two)]
     ids = [set(re.findall(r"\bBAR\.(?:SYNC|ARV)\S* (0x[0-9a-f]+)", t)) for t in texts]
     assert not ids[0] & {"0x9", "0xa"} and {"0x9", "0xa"} <= ids[1]

@@ -887,15 +887,14 @@ def test_dq_chains_bitwise_reproducible(hopper_gpu, wide, dq_chains, d):
     test_deterministic_is_bitwise_reproducible(hopper_gpu, False, d)  # 100 repeats
 
 
-# Two writer warps for deterministic dQ (`sm90_bwd_ws.DQ_WRITER_WARPS`, session 31's experiment,
-# not in the in-process compile key: the kernel cache is cleared around it): even and odd steps
-# of the walk, each on its own pair of barriers. The same cases as the chains' (default chains).
+# Two writer warps for deterministic dQ (`sm90_bwd.DQ_WRITER_WARPS`, session 31's experiment, a
+# compile-key field): even and odd steps of the walk, each on its own pair of barriers. The same
+# cases as the chains' (default chains).
 @pytest.fixture
 def writer_warps(monkeypatch):
-    from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
+    from hopper_fmha.kernels import sm90_bwd
 
-    monkeypatch.setattr(sm90_bwd_ws, "DQ_WRITER_WARPS", 2)
-    monkeypatch.setattr(sm90_bwd, "_compiled", {})
+    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_WARPS", 2)
 
 
 @pytest.mark.parametrize("heads", ["mha", "gqa"])

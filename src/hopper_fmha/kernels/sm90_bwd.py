@@ -480,6 +480,7 @@ def compile_bwd(
     head_dim_v: int | None = None,
     dq_writer: bool = False,
     dq_chains: int = 1,
+    dq_writer_warps: int = 1,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
@@ -488,7 +489,8 @@ def compile_bwd(
     only); dq_unscaled: dQacc without the softmax scale (`DQ_SCALE_AT_CAST`); dq_fragments: dQacc in
     fragment order (`DQ_FRAGMENTS`); head_dim_v: v's, dO's, dV's (None: head_dim), past 128 the
     wide kernel's pairs (`sm90_bwd_wide.SHAPES`); dq_writer: deterministic turns and dQ's adds by
-    a warp of their own (`DQ_WRITER_WARP`); dq_chains: deterministic dQ's chains (`DQ_CHAINS`).
+    a warp of their own (`DQ_WRITER_WARP`); dq_chains: deterministic dQ's chains (`DQ_CHAINS`);
+    dq_writer_warps: deterministic dQ's writer warps (`DQ_WRITER_WARPS`).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
@@ -500,21 +502,22 @@ def compile_bwd(
         assert tile_m == TILE, "the wide kernel steps 64 queries"
         kernel = BwdWideSm90(
             dtype, head_dim, head_dim_v, causal, deterministic, window_left, window_right, softcap, varlen,
-            dq_unscaled, dq_writer, rotate, dq_chains,
+            dq_unscaled, dq_writer, rotate, dq_chains, dq_writer_warps,
         )  # fmt: skip
     elif version == 2:
         from .sm90_bwd_ws import BwdWsSm90
 
         kernel = BwdWsSm90(
             dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen,
-            tile_m, rotate, dq_unscaled, dq_fragments, dq_writer, dq_chains,
+            tile_m, rotate, dq_unscaled, dq_fragments, dq_writer, dq_chains, dq_writer_warps,
         )  # fmt: skip
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
         assert not (window_left or window_right or softcap or varlen), "version 1: no window, softcap, varlen"
         assert tile_m == TILE, "version 1 steps 64 queries"
         assert not rotate, "version 1: no rotated deterministic walk"
-        assert not (dq_fragments or dq_writer) and dq_chains == 1, "version 1: dQ by atomics"
+        assert not (dq_fragments or dq_writer), "version 1: dQ by atomics"
+        assert dq_chains == dq_writer_warps == 1, "version 1: no writer warp"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic, dq_unscaled)
     return cute.compile(
         kernel,
@@ -616,6 +619,25 @@ def dq_chains(
     with the writer warp, not `masked` (causal or a window)."""
     on = deterministic and version == 2 and writer and not masked
     return DQ_CHAINS.get(head_dims, 1) if on else 1
+
+
+# Experiment (session 31; deterministic with the writer warp): 2 writer warps, the producer
+# warpgroup's second and third, take the walk's even and odd steps (`sm90_bwd_ws.write_dq`), so
+# that one block's wait for its adds to complete and the release of its turn overlap the next
+# block's turn and adds. Why: with `DQ_CHAINS` at 2 and 3 alike, deterministic d256 still ran at 76%
+# of plain; one warp's serial path per block (the turn's poll, the reduce-add's read, its writes'
+# completion, the release) is about one step's length there. Measured (H200, session 31,
+# `bwd_profile --versions 2 --deterministic --writer-warps 1/2/1/2`, bf16 B4 N4096, TFLOP/s): d256
+# 222 / 253 / 228 / 260 (plain 299: 75% -> 86%), d128 448 / 488 / 478 / 525 (plain 514), d128 causal
+# 400 / 444 / 398 / 402 (plain 451), d256 causal 215 / 215 / 211 / 217; 64 GPU tests passed (`-k
+# writer_warps`). 1 (off) until the deterministic tier and the preset have run with it
+# (`scripts/gpu_pending.sh 16`). Part of the compile key.
+DQ_WRITER_WARPS = 1
+
+
+def writer_warps(deterministic: bool, writer: bool) -> int:
+    """The deterministic writer's warps (`DQ_WRITER_WARPS`); 1 where there is no writer."""
+    return DQ_WRITER_WARPS if deterministic and writer else 1
 
 
 def fragment_dims(tile_m: int, head_dim: int):
@@ -951,7 +973,8 @@ def backward(
         sem = torch.zeros(batch, heads, chains * blocks, device=q.device, dtype=torch.int32)
     rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device, d, d_v)
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
-    key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer, chains)
+    warps = writer_warps(bool(deterministic), writer)
+    key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer, chains, warps)
     fn = _compiled.get(key) or _kernel(key)
     if seqlen_k > 0 and seqlen_q > 0:
         from . import grid_spans
@@ -1083,6 +1106,7 @@ def backward_varlen(
         # max_seqlen_q below the truth (unchecked under graph capture) cannot index past them.
         sem = torch.zeros(batch, heads, max(1, -(-total_q // tile_m)), device=device, dtype=torch.int32)
     dq_unscaled = tile_switch(DQ_SCALE_AT_CAST, tile_m)  # the kernel and the cast below agree on it
+    writer = dq_writer(bool(deterministic), tile_m, d > HEAD_DIMS[-1])
     key = (dtype_name, d, bool(causal), bool(deterministic), 2, mha, atomic, left >= 0, right >= 0)
     key = key + (
         bool(softcap),
@@ -1092,7 +1116,9 @@ def backward_varlen(
         dq_unscaled,
         False,  # dq_fragments: dense only
         d_v,
-        dq_writer(bool(deterministic), tile_m, d > HEAD_DIMS[-1]),
+        writer,
+        1,  # dq_chains: dense only
+        writer_warps(bool(deterministic), writer),
     )
     fn = _compiled.get(key) or _kernel(key)
     if total_k > 0 and total_q > 0 and batch > 0 and max_seqlen_k > 0:

@@ -109,6 +109,7 @@ class BwdWideSm90(BwdWsSm90):
         dq_writer: bool = False,
         rotate: bool = False,
         dq_chains: int = 1,
+        dq_writer_warps: int = 1,
     ):
         assert (head_dim, head_dim_v) in SHAPES, f"the wide backward kernel takes {list(SHAPES)}"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -146,7 +147,7 @@ class BwdWideSm90(BwdWsSm90):
         # `sm90_bwd_ws` (`write_dq`, along the same walk).
         assert not dq_writer or deterministic, "dq_writer: deterministic mode"
         self.dq_writer = dq_writer
-        self.set_dq_chains(dq_chains)
+        self.set_dq_writer(dq_chains, dq_writer_warps)
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):

@@ -117,21 +117,9 @@ BARRIER_PDS_FREE = 6
 # (consumers 256 threads + the writer's 32).
 BARRIER_DQ_FULL = 7
 BARRIER_DQ_EMPTY = 8
-# `DQ_WRITER_WARPS` 2: the odd steps' pair (the even steps' are the two above).
+# `sm90_bwd.DQ_WRITER_WARPS` 2: the odd steps' pair (the even steps' are the two above).
 BARRIER_DQ_FULL_ODD = 9
 BARRIER_DQ_EMPTY_ODD = 10
-# Experiment (session 31, deterministic with the writer warp only; read when a kernel is built, not
-# in the in-process compile key): 2 writer warps, the producer warpgroup's second and third, take
-# the walk's even and odd steps, so that one block's wait for its adds to complete and the release
-# of its turn overlap the next block's turn and adds. Why: with `sm90_bwd.DQ_CHAINS` at 2 and 3 alike,
-# deterministic d256 still ran at 76% of plain; one warp's serial path per block (the turn's poll,
-# the reduce-add's read, its writes' completion, the release) is about one step's length there.
-# Measured (H200, session 31, `bwd_profile --versions 2 --deterministic --writer-warps 1/2/1/2`, bf16
-# B4 N4096, TFLOP/s): d256 222 / 253 / 228 / 260 (plain 299: 75% -> 86%), d128 448 / 488 / 478 / 525
-# (plain 514), d128 causal 400 / 444 / 398 / 402 (plain 451), d256 causal 215 / 215 / 211 / 217; 64
-# GPU tests passed (`-k writer_warps`). Off until the whole backward tier has run with it
-# (`scripts/gpu_pending.sh 16`); then on, in the compile key.
-DQ_WRITER_WARPS = 1
 DQ_WRITER_THREADS = NUM_MMA_THREADS + 32
 
 
@@ -166,6 +154,7 @@ class BwdWsSm90(BwdSm90):
         dq_fragments: bool = False,
         dq_writer: bool = False,
         dq_chains: int = 1,
+        dq_writer_warps: int = 1,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
@@ -185,7 +174,9 @@ class BwdWsSm90(BwdSm90):
         by a warp of its own (the producer warpgroup's second, `write_dq`); the consumer
         warpgroups only stage dQ and go on (`sm90_bwd.DQ_WRITER_WARP`, `DQ_WRITER_PLAIN`).
         dq_chains (deterministic, dq_writer, dense): the turns at a query block split into this
-        many interleaved chains, turn t adding into copy t % dq_chains of dQacc (`write_dq`)."""
+        many interleaved chains, turn t adding into copy t % dq_chains of dQacc (`write_dq`).
+        dq_writer_warps (deterministic, dq_writer): 1, or 2 writer warps taking the walk's even and
+        odd steps (`sm90_bwd.DQ_WRITER_WARPS`)."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -210,7 +201,7 @@ class BwdWsSm90(BwdSm90):
         assert not (dq_fragments and varlen), "dq_fragments: dense"
         self.dq_fragments = dq_fragments
         self.dq_writer = dq_writer
-        self.set_dq_chains(dq_chains)
+        self.set_dq_writer(dq_chains, dq_writer_warps)
         # dQ per warpgroup: 64 rows x d / 2 columns (tile_m 64), or 64 of the 128 rows x d.
         self.dq_by_rows = tile_m == 2 * TILE_M
         # tile_m 80 (FA4's d128 non-causal tile): dQ = dS K has M = 80 queries, which WGMMA does
@@ -232,13 +223,14 @@ class BwdWsSm90(BwdSm90):
         self.rotate = rotate
         self.dkv_tma = tile_m in DKV_TMA_TILES
 
-    def set_dq_chains(self, dq_chains: int):
+    def set_dq_writer(self, dq_chains: int, dq_writer_warps: int):
         """Deterministic dQ's chains (`write_dq`; `sm90_bwd.DQ_CHAINS`): the writer warp's turns,
-        on dense rows only (dQacc holds dq_chains copies of the padded query rows)."""
+        on dense rows only (dQacc holds dq_chains copies of the padded query rows); and its writer
+        warps (`sm90_bwd.DQ_WRITER_WARPS`)."""
         assert dq_chains == 1 or (self.deterministic and self.dq_writer and not self.varlen), "dq_chains"
+        assert dq_writer_warps == 1 or (dq_writer_warps == 2 and self.deterministic and self.dq_writer)
         self.dq_chains = dq_chains
-        # (`DQ_WRITER_WARPS`, the experiment: deterministic with the writer warp only)
-        self.writer_warps = DQ_WRITER_WARPS if self.deterministic and self.dq_writer else 1
+        self.writer_warps = dq_writer_warps
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
