@@ -74,6 +74,10 @@ def main():
         ("--dq-fragments", "dQ staged and added in fragment order (sm90_bwd.DQ_FRAGMENTS)"),
         ("--dq-writer", "deterministic: turns and dQ adds by a warp of their own (sm90_bwd.DQ_WRITER_WARP)"),
         ("--dq-writer-plain", "not deterministic: dQ adds by the writer warp (sm90_bwd.DQ_WRITER_PLAIN)"),
+        (
+            "--dq-writer-plain-wide",
+            "not deterministic, the wide kernel: dQ adds by the writer warp (sm90_bwd.DQ_WRITER_PLAIN_WIDE)",
+        ),
         ("--wide-rotate", "deterministic: the wide kernel's rotated walk (sm90_bwd.WIDE_ROTATE)"),
     ):
         parser.add_argument(switch, choices=("on", "off"), default=None, help=f"{what}, or not")
@@ -114,6 +118,8 @@ def main():
         sm90_bwd.DQ_WRITER_WARP = args.dq_writer == "on"
     if args.dq_writer_plain is not None:
         sm90_bwd.DQ_WRITER_PLAIN = args.dq_writer_plain == "on"
+    if args.dq_writer_plain_wide is not None:
+        sm90_bwd.DQ_WRITER_PLAIN_WIDE = args.dq_writer_plain_wide == "on"
     if args.wide_rotate is not None:
         sm90_bwd.WIDE_ROTATE = args.wide_rotate == "on"
     if args.writer_warps is not None:

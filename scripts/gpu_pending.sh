@@ -19,6 +19,8 @@
 #   16 DQ_WRITER_WARPS = 2 before it is turned on (session 31, not yet run): on this machine's copy of
 #      the tree (sed), the deterministic backward tests (~1165, of every kernel: dense, varlen, wide,
 #      fragments, rotated, chains) and the backward preset
+#   17 sm90_bwd.DQ_WRITER_PLAIN_WIDE (session 31, not yet run): the writer warp without deterministic
+#      mode in the wide kernel: its GPU tests, then an A/B of d256 and d192/dv128 (plain and causal)
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
@@ -90,6 +92,23 @@ if [ "$part" = 16 ]; then
         timeout 280 python -m hopper_fmha bench --preset backward --dtype float16 bfloat16 --out "$OUT/bwd16" \
             > "$OUT/bwd16.log" 2>&1
         echo "backward rc=$?"; grep -h "auto\(+det\)\?\` | \(bwd\|fwd+bwd\)" "$OUT"/bwd16/*.md
+    fi
+    exit 0
+fi
+
+if [ "$part" = 17 ]; then
+    python scripts/gpu_tier.py --out /tmp/pending-tier17 --archive "$OUT/tier17.tar.gz" --procs 15 --budget 150 \
+        --stall 100 --chunked -k "wide_writer_plain" tests/test_gpu_backward.py > "$OUT/tier17.log" 2>&1
+    tail -1 "$OUT/tier17.log"
+    grep -h "^FAILED" /tmp/pending-tier17/report*.txt | head -10
+    if grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/tier17.log"); then
+        for args in "--d 256 --heads 8" "--d 256 --heads 8 --causal" "--d 192 --dv 128 --heads 16" \
+            "--d 192 --dv 128 --heads 16 --causal"; do
+            for r in off on off on; do
+                timeout 60 python scripts/bwd_profile.py $args --wide --versions 2 --dq-writer-plain-wide $r \
+                    2>&1 | grep TFLOP | sed "s/\$/  (writer plain wide $r)/"
+            done
+        done | tee "$OUT/writer_plain_wide.txt"
     fi
     exit 0
 fi

@@ -387,7 +387,8 @@ def test_dq_writer_warp_only_where_deterministic(kernels, monkeypatch, causal):
 
 def test_dq_writer_plain_asks_for_the_writer(kernels, monkeypatch):
     # `DQ_WRITER_PLAIN` (session 29): non-deterministic v2 calls at its tiles ask for the writer
-    # warp (key element 16); not the wide kernel; off: deterministic calls only.
+    # warp (key element 16); not the wide kernel, unless `DQ_WRITER_PLAIN_WIDE` (session 31); off:
+    # deterministic calls only.
     import hopper_fmha.backward as host
 
     _, keys = kernels
@@ -398,8 +399,11 @@ def test_dq_writer_plain_asks_for_the_writer(kernels, monkeypatch):
         sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, False)
         assert keys[-1][11] == 80 and keys[-1][16] is bool(plain)
     monkeypatch.setattr(host, "WIDE_BACKWARD", True)
-    sm90_bwd.backward(*wide, lse, 0.1, False)
-    assert keys[-1][1] == 256 and keys[-1][11] == 64 and keys[-1][16] is False
+    for on in (False, True):
+        monkeypatch.setattr(sm90_bwd, "DQ_WRITER_PLAIN_WIDE", on)
+        sm90_bwd.backward(*wide, lse, 0.1, False)
+        assert keys[-1][1] == 256 and keys[-1][11] == 64 and keys[-1][16] is on
+        assert keys[-1][3] is False and keys[-1][17:] == (1, 1)  # (chains, writer warps: deterministic)
 
 
 @pytest.mark.parametrize("plain", [(), (80,), True])

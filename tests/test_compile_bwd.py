@@ -435,19 +435,22 @@ PLAIN_WRITER_CASES = {
     "d128-causal-tile64-gqa": (128, True, 64, False, False, False),
     "d64-tile128-fragments": (64, False, 128, True, True, False),
     "d64-varlen-gqa": (64, False, 128, False, False, True),
+    "wide-d256": (256, False, 64, False, True, False),
+    "wide-d192-dv128-causal-varlen": (192, True, 64, False, False, True),
 }
 
 
 @pytest.mark.parametrize("case", list(PLAIN_WRITER_CASES))
 def test_dq_writer_plain_compiles(case):
-    # `sm90_bwd.DQ_WRITER_PLAIN` (session 29): the writer warp without deterministic mode. The
+    # `sm90_bwd.DQ_WRITER_PLAIN` (session 29; the wide kernel's: `DQ_WRITER_PLAIN_WIDE`, session
+    # 31): the writer warp without deterministic mode. The
     # consumers hand dQ over by barrier arrives as in deterministic mode; no turn is taken (no
     # semaphore atomics), and the consumers no longer issue the adds or wait for their bulk groups
     # (the add instructions stay, in the writer's code: one UTMAREDG / UBLKRED site per warpgroup).
     d, causal, tile_m, fragments, mha, varlen = PLAIN_WRITER_CASES[case]
-    atomic = not mha  # GQA without deterministic: dK, dV by atomic sums
+    atomic = not mha and d <= 128  # GQA without deterministic: dK, dV by atomic sums (not wide)
     key = ("bfloat16", d, causal, False, 2, mha, atomic, False, False, False, varlen, tile_m, False)
-    key = key + (tile_m in (64, 80), fragments, None)
+    key = key + (tile_m in (64, 80), fragments, 128 if d == 192 else None)
     plain, writer = bwd_cubin(*key, False), bwd_cubin(*key, True)
     texts = [sass_or_skip(c) for c in (plain, writer)]
     assert "BAR.ARV" not in texts[0] and texts[1].count("BAR.ARV") >= 2

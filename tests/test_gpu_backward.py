@@ -806,6 +806,29 @@ def test_dq_writer_plain_varlen(hopper_gpu, dq_writer_plain, d, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, False, d, case, "gqa")
 
 
+# The same in the wide kernel (`sm90_bwd.DQ_WRITER_PLAIN_WIDE`, session 31): d256 and d192/dv128,
+# plain and with features, MHA and GQA, varlen.
+@pytest.fixture
+def wide_writer_plain(wide, monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_PLAIN_WIDE", True)
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", WIDE_FEATURE_SEQLENS, ids=[f"{a}x{b}" for a, b in WIDE_FEATURE_SEQLENS])
+@pytest.mark.parametrize("feature", ["plain", "causal", "softcap", "both", "sink"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-dv128"])
+def test_wide_writer_plain(hopper_gpu, wide_writer_plain, dims, feature, seqlens, heads):
+    test_score_features_backward(hopper_gpu, torch.bfloat16, False, dims[0], feature, seqlens, heads, dims[1])
+
+
+@pytest.mark.parametrize("case", ["full", "causal", "softcap"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-dv128"])
+def test_wide_writer_plain_varlen(hopper_gpu, wide_writer_plain, dims, case):
+    test_varlen_backward(hopper_gpu, torch.bfloat16, False, dims[0], case, "gqa", dims[1])
+
+
 # The varlen dQ's scale, cast and gather by one kernel (`sm90_bwd.VARLEN_DQ_GATHER`) is on since
 # session 29 (`test_varlen_backward` runs it); torch's cast-then-gather path it replaced, still
 # there behind the switch, here: every varlen case at d64 and d128 (tiles 128, 80, 64), MHA and GQA,

@@ -588,12 +588,20 @@ DQ_WRITER_WARP = True
 DQ_WRITER_PLAIN: tuple[int, ...] | bool = (80,)
 
 
+# The writer warp without deterministic mode in the wide kernel too (session 31, built without a
+# GPU; off until measured): its consumers stage dQ and go on, where now each warpgroup's first warp
+# issues the reduce-add and waits for its bulk group, and the warpgroup syncs around the staging.
+# Predicted: d256 and d192/dv128 +2-3% (tile 80's gain from the same change: +2.8%). Part of the
+# compile key (the dq_writer field).
+DQ_WRITER_PLAIN_WIDE = False
+
+
 def dq_writer(deterministic: bool, tile_m: int, wide: bool = False) -> bool:
     """Whether v2's dQ adds go through the writer warp: deterministic (`DQ_WRITER_WARP`), or plain
-    at `DQ_WRITER_PLAIN`'s tiles (dense head dims only)."""
+    at `DQ_WRITER_PLAIN`'s tiles (dense head dims) or in the wide kernel (`DQ_WRITER_PLAIN_WIDE`)."""
     if deterministic:
         return DQ_WRITER_WARP
-    return tile_switch(DQ_WRITER_PLAIN, tile_m) and not wide
+    return DQ_WRITER_PLAIN_WIDE if wide else tile_switch(DQ_WRITER_PLAIN, tile_m)
 
 
 # Deterministic dQ in k chains per query block (`sm90_bwd_ws` `dq_chains`, dense): turn t adds into

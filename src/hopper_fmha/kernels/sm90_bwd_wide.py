@@ -143,9 +143,9 @@ class BwdWideSm90(BwdWsSm90):
         assert not rotate or (deterministic and not (causal or window_left or window_right)), "rotate"
         self.rotate = rotate
         self.dkv_tma = False
-        # Deterministic: the turns and dQ's adds by the producer warpgroup's second warp, as
-        # `sm90_bwd_ws` (`write_dq`, along the same walk).
-        assert not dq_writer or deterministic, "dq_writer: deterministic mode"
+        # dQ's adds (deterministic: and the turns) by the producer warpgroup's second warp, as
+        # `sm90_bwd_ws` (`write_dq`, along the same walk; `sm90_bwd.DQ_WRITER_WARP`,
+        # `DQ_WRITER_PLAIN_WIDE`).
         self.dq_writer = dq_writer
         self.set_dq_writer(dq_chains, dq_writer_warps)
 
