@@ -131,7 +131,7 @@ def dense_kernel(
 def binding_checked(key, kernel):
     """`kernel` behind the checks TVM-FFI makes at a compiled kernel's call (`tvm_ffi_binding`),
     against `fake_arguments` of the compile key."""
-    copies = len(key) > 17 and key[17] > 1  # (`DQ_CHAINS`: dQacc's rows their own size)
+    copies = key[17] > 1  # (`DQ_CHAINS`: dQacc's rows their own size)
     fake = sm90_bwd.fake_arguments(
         sm90_bwd._DTYPES[key[0]], key[1], key[3], key[5], key[6], key[10], key[15], copies
     )

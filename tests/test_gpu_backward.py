@@ -872,79 +872,54 @@ def test_wide_rotated_walk_varlen(hopper_gpu, wide_rotate, dims, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, True, dims[0], case, "gqa", dims[1])
 
 
-# Deterministic dQ in chains (`sm90_bwd.DQ_CHAINS`, session 31): k copies of dQacc, turn t of a
-# query block adding into copy t % k after turn t - k, the host summing the copies in order. Each
-# kernel the writer warp serves (d64 tile 128 in fragment order, d128 tile 80 rotated, d128
-# causal, the wide d256 and d192/dv128): gradients by the reference, twice bitwise equal; 100
-# bitwise repeats at d128 and d256; a window and softcap (turns over part of the key blocks).
-@pytest.fixture(params=[2, 3], ids=["k2", "k3"])
-def dq_chains(request, monkeypatch):
+# The deterministic writer's two session-31 switches, each case under each (ids name the switch, so
+# `-k dq_chains` or `-k writer_warps` picks one): `sm90_bwd.DQ_CHAINS` (k copies of dQacc, turn t of
+# a query block adding into copy t % k after turn t - k, the host summing the copies in order; k = 2
+# and 3 at every head dim) and `sm90_bwd.DQ_WRITER_WARPS` 2 (even and odd steps of the walk, each
+# on its own pair of barriers). Each kernel the writer warp serves (d64 tile 128 in fragment order,
+# d128 tile 80 rotated, d128 causal, the wide d256 and d192/dv128, varlen): gradients by the
+# reference, twice bitwise equal; 100 bitwise repeats at d128 and d256; a window and softcap
+# (turns over part of the key blocks).
+WRITER_DIMS = [(64, 64), (128, 128), (192, 128), (256, 256)]
+WRITER_LAYOUTS = {
+    "dq_chains2": ("DQ_CHAINS", {d: 2 for d in WRITER_DIMS}),
+    "dq_chains3": ("DQ_CHAINS", {d: 3 for d in WRITER_DIMS}),
+    "writer_warps2": ("DQ_WRITER_WARPS", 2),
+}
+
+
+@pytest.fixture(params=list(WRITER_LAYOUTS))
+def writer_layout(request, monkeypatch):
     from hopper_fmha.kernels import sm90_bwd
 
-    dims = [(64, 64), (128, 128), (192, 128), (256, 256)]
-    monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {d: request.param for d in dims})
+    monkeypatch.setattr(sm90_bwd, *WRITER_LAYOUTS[request.param])
 
 
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
 @pytest.mark.parametrize("seqlens", AUTOGRAD_SEQLENS, ids=[f"{a}x{b}" for a, b in AUTOGRAD_SEQLENS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_dq_chains_d128(hopper_gpu, dq_chains, causal, seqlens, heads):
+def test_writer_layout_d128(hopper_gpu, writer_layout, causal, seqlens, heads):
     test_autograd_matches_reference(hopper_gpu, torch.bfloat16, True, causal, seqlens, heads)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [128, 64])
-def test_dq_chains_fragments(hopper_gpu, dq_chains, monkeypatch, d, causal):
+def test_writer_layout_fragments(hopper_gpu, writer_layout, monkeypatch, d, causal):
     test_dq_fragments_deterministic(hopper_gpu, monkeypatch, d, causal)
 
 
 @pytest.mark.parametrize("seqlens", WIDE_FEATURE_SEQLENS, ids=[f"{a}x{b}" for a, b in WIDE_FEATURE_SEQLENS])
 @pytest.mark.parametrize("feature", ["plain", "causal", "softcap", "both"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128), (128, 128)], ids=["d256", "d192-dv128", "d128"])
-def test_dq_chains_features(hopper_gpu, wide, dq_chains, dims, feature, seqlens):
+def test_writer_layout_features(hopper_gpu, wide, writer_layout, dims, feature, seqlens):
     test_score_features_backward(hopper_gpu, torch.bfloat16, True, dims[0], feature, seqlens, "gqa", dims[1])
 
 
 @pytest.mark.parametrize("d", [128, 256])
-def test_dq_chains_bitwise_reproducible(hopper_gpu, wide, dq_chains, d):
-    test_deterministic_is_bitwise_reproducible(hopper_gpu, False, d)  # 100 repeats
-
-
-# Two writer warps for deterministic dQ (`sm90_bwd.DQ_WRITER_WARPS`, session 31's experiment, a
-# compile-key field): even and odd steps of the walk, each on its own pair of barriers. The same
-# cases as the chains' (default chains).
-@pytest.fixture
-def writer_warps(monkeypatch):
-    from hopper_fmha.kernels import sm90_bwd
-
-    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_WARPS", 2)
-
-
-@pytest.mark.parametrize("heads", ["mha", "gqa"])
-@pytest.mark.parametrize("seqlens", AUTOGRAD_SEQLENS, ids=[f"{a}x{b}" for a, b in AUTOGRAD_SEQLENS])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_writer_warps_d128(hopper_gpu, writer_warps, causal, seqlens, heads):
-    test_autograd_matches_reference(hopper_gpu, torch.bfloat16, True, causal, seqlens, heads)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [128, 64])
-def test_writer_warps_fragments(hopper_gpu, writer_warps, monkeypatch, d, causal):
-    test_dq_fragments_deterministic(hopper_gpu, monkeypatch, d, causal)
-
-
-@pytest.mark.parametrize("seqlens", WIDE_FEATURE_SEQLENS, ids=[f"{a}x{b}" for a, b in WIDE_FEATURE_SEQLENS])
-@pytest.mark.parametrize("feature", ["plain", "causal", "softcap", "both"])
-@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-dv128"])
-def test_writer_warps_features(hopper_gpu, wide, writer_warps, dims, feature, seqlens):
-    test_score_features_backward(hopper_gpu, torch.bfloat16, True, dims[0], feature, seqlens, "gqa", dims[1])
-
-
-@pytest.mark.parametrize("d", [128, 256])
-def test_writer_warps_bitwise_reproducible(hopper_gpu, wide, writer_warps, d):
+def test_writer_layout_bitwise_reproducible(hopper_gpu, wide, writer_layout, d):
     test_deterministic_is_bitwise_reproducible(hopper_gpu, False, d)  # 100 repeats
 
 
 @pytest.mark.parametrize("case", ["full", "softcap"])
-def test_writer_warps_varlen(hopper_gpu, wide, writer_warps, case):
+def test_writer_layout_varlen(hopper_gpu, wide, writer_layout, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, True, 256, case, "gqa", 256)
