@@ -476,7 +476,7 @@ def test_dq_chains_compile():
 
 
 def test_dq_writer_warps_compile():
-    # `sm90_bwd.DQ_WRITER_WARPS` 2 (compile-key field 18; session 31's experiment): a second writer
+    # `sm90_bwd.DQ_WRITER_WARPS` 2 (compile-key field 18; session 31, on since session 32): a second writer
     # warp with the odd steps' barrier pair (ids 9 and 10), so every add and turn site of the
     # writer appears twice; the consumers' staging picks the pair by the step's parity.
     key = ("bfloat16", 128, True, True, 2, True, False, False, False, False, False, 64, False)

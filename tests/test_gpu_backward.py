@@ -806,26 +806,27 @@ def test_dq_writer_plain_varlen(hopper_gpu, dq_writer_plain, d, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, False, d, case, "gqa")
 
 
-# The same in the wide kernel (`sm90_bwd.DQ_WRITER_PLAIN_WIDE`, session 31): d256 and d192/dv128,
-# plain and with features, MHA and GQA, varlen.
+# The same switch in the wide kernel (`sm90_bwd.DQ_WRITER_PLAIN_WIDE`, session 31, on since session
+# 32, so the wide tests above run it): here off, each warpgroup's first warp issuing its own adds:
+# d256 and d192/dv128, plain and with features, MHA and GQA, varlen.
 @pytest.fixture
 def wide_writer_plain(wide, monkeypatch):
     from hopper_fmha.kernels import sm90_bwd
 
-    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_PLAIN_WIDE", True)
+    monkeypatch.setattr(sm90_bwd, "DQ_WRITER_PLAIN_WIDE", False)
 
 
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
 @pytest.mark.parametrize("seqlens", WIDE_FEATURE_SEQLENS, ids=[f"{a}x{b}" for a, b in WIDE_FEATURE_SEQLENS])
 @pytest.mark.parametrize("feature", ["plain", "causal", "softcap", "both", "sink"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-dv128"])
-def test_wide_writer_plain(hopper_gpu, wide_writer_plain, dims, feature, seqlens, heads):
+def test_wide_writer_plain_off(hopper_gpu, wide_writer_plain, dims, feature, seqlens, heads):
     test_score_features_backward(hopper_gpu, torch.bfloat16, False, dims[0], feature, seqlens, heads, dims[1])
 
 
 @pytest.mark.parametrize("case", ["full", "causal", "softcap"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "d192-dv128"])
-def test_wide_writer_plain_varlen(hopper_gpu, wide_writer_plain, dims, case):
+def test_wide_writer_plain_off_varlen(hopper_gpu, wide_writer_plain, dims, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, False, dims[0], case, "gqa", dims[1])
 
 
@@ -875,16 +876,16 @@ def test_wide_rotated_walk_varlen(hopper_gpu, wide_rotate, dims, case):
 # The deterministic writer's two session-31 switches, each case under each (ids name the switch, so
 # `-k dq_chains` or `-k writer_warps` picks one): `sm90_bwd.DQ_CHAINS` (k copies of dQacc, turn t of
 # a query block adding into copy t % k after turn t - k, the host summing the copies in order; k = 2
-# and 3 at every head dim) and `sm90_bwd.DQ_WRITER_WARPS` 2 (even and odd steps of the walk, each
-# on its own pair of barriers). Each kernel the writer warp serves (d64 tile 128 in fragment order,
-# d128 tile 80 rotated, d128 causal, the wide d256 and d192/dv128, varlen): gradients by the
-# reference, twice bitwise equal; 100 bitwise repeats at d128 and d256; a window and softcap
-# (turns over part of the key blocks).
+# and 3 at every head dim) and `sm90_bwd.DQ_WRITER_WARPS` (2, the default since session 32: even
+# and odd steps of the walk, each on its own pair of barriers; here 1). Each kernel the writer warp
+# serves (d64 tile 128 in fragment order, d128 tile 80 rotated, d128 causal, the wide d256 and
+# d192/dv128, varlen): gradients by the reference, twice bitwise equal; 100 bitwise repeats at d128
+# and d256; a window and softcap (turns over part of the key blocks).
 WRITER_DIMS = [(64, 64), (128, 128), (192, 128), (256, 256)]
 WRITER_LAYOUTS = {
     "dq_chains2": ("DQ_CHAINS", {d: 2 for d in WRITER_DIMS}),
     "dq_chains3": ("DQ_CHAINS", {d: 3 for d in WRITER_DIMS}),
-    "writer_warps2": ("DQ_WRITER_WARPS", 2),
+    "writer_warps1": ("DQ_WRITER_WARPS", 1),
 }
 
 

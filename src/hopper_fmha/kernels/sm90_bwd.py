@@ -588,12 +588,14 @@ DQ_WRITER_WARP = True
 DQ_WRITER_PLAIN: tuple[int, ...] | bool = (80,)
 
 
-# The writer warp without deterministic mode in the wide kernel too (session 31, built without a
-# GPU; off until measured): its consumers stage dQ and go on, where now each warpgroup's first warp
-# issues the reduce-add and waits for its bulk group, and the warpgroup syncs around the staging.
-# Predicted: d256 and d192/dv128 +2-3% (tile 80's gain from the same change: +2.8%). Part of the
-# compile key (the dq_writer field).
-DQ_WRITER_PLAIN_WIDE = False
+# The writer warp without deterministic mode in the wide kernel too (session 31): its consumers
+# stage dQ and go on, where before each warpgroup's first warp issued the reduce-add and waited for
+# its bulk group, and the warpgroup synced around the staging. Predicted +2-3% (tile 80's gain from
+# the same change). Measured (H200, session 32, `bwd_profile --wide --versions 2
+# --dq-writer-plain-wide off/on/off/on`, bf16 B4 N4096, TFLOP/s): d256 303 / 320 / 301 / 319, causal
+# 283 / 291 / 268 / 303; d192/dv128 418 / 421 / 423 / 430, causal 346 / 376 / 363 / 375; the preset:
+# d256 308/311 -> 325/327. Part of the compile key (the dq_writer field).
+DQ_WRITER_PLAIN_WIDE = True
 
 
 def dq_writer(deterministic: bool, tile_m: int, wide: bool = False) -> bool:
@@ -629,7 +631,7 @@ def dq_chains(
     return DQ_CHAINS.get(head_dims, 1) if on else 1
 
 
-# Experiment (session 31; deterministic with the writer warp): 2 writer warps, the producer
+# Session 31 (deterministic with the writer warp): 2 writer warps, the producer
 # warpgroup's second and third, take the walk's even and odd steps (`sm90_bwd_ws.write_dq`), so
 # that one block's wait for its adds to complete and the release of its turn overlap the next
 # block's turn and adds. Why: with `DQ_CHAINS` at 2 and 3 alike, deterministic d256 still ran at 76%
@@ -638,9 +640,10 @@ def dq_chains(
 # `bwd_profile --versions 2 --deterministic --writer-warps 1/2/1/2`, bf16 B4 N4096, TFLOP/s): d256
 # 222 / 253 / 228 / 260 (plain 299: 75% -> 86%), d128 448 / 488 / 478 / 525 (plain 514), d128 causal
 # 400 / 444 / 398 / 402 (plain 451), d256 causal 215 / 215 / 211 / 217; 64 GPU tests passed (`-k
-# writer_warps`). 1 (off) until the deterministic tier and the preset have run with it
-# (`scripts/gpu_pending.sh 16`). Part of the compile key.
-DQ_WRITER_WARPS = 1
+# writer_warps`). On since session 32: the deterministic tier passed with it (1176 tests) and the
+# backward preset's deterministic geomean went 0.711x -> 0.757x (d256 237 -> 270 TFLOP/s; at d256
+# causal, where there are no chains, it changed nothing). Part of the compile key.
+DQ_WRITER_WARPS = 2
 
 
 def writer_warps(deterministic: bool, writer: bool) -> int:
