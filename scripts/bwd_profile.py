@@ -98,6 +98,18 @@ def main():
         action="store_true",
         help="head dims past 128 on the wide kernel (backward.WIDE_BACKWARD; others padded to its pairs)",
     )
+    parser.add_argument(
+        "--lse-load",
+        choices=("before_s", "after_s", "after_dp"),
+        default=None,
+        help="where d128's consumers read the LSE (sm90_bwd_ws.LSE_LOAD)",
+    )
+    parser.add_argument(
+        "--d-load",
+        choices=("after_exp", "before_dp", "before_s"),
+        default=None,
+        help="where d128's consumers read D (sm90_bwd_ws.D_LOAD)",
+    )
     parser.add_argument("--ncu", action="store_true", help="one call, no timing (v2 at the first --tile-m)")
     parser.add_argument(
         "--tile-m",
@@ -110,6 +122,10 @@ def main():
     args = parser.parse_args()
     if args.dkv_tma is not None:
         sm90_bwd_ws.DKV_TMA_TILES = tuple(args.dkv_tma)
+    if args.lse_load is not None:
+        sm90_bwd_ws.LSE_LOAD = args.lse_load
+    if args.d_load is not None:
+        sm90_bwd_ws.D_LOAD = args.d_load
     if args.dq_at_cast is not None:
         sm90_bwd.DQ_SCALE_AT_CAST = args.dq_at_cast == "on"
     if args.dq_fragments is not None:
@@ -159,7 +175,7 @@ def main():
     for version, tile_m in runs:
         setattr(sm90_bwd, switch, tile_m)
         ms = time_ms(lambda version=version: call(version))
-        tile = f" tile_m {tile_m}" if version == 2 else ""
+        tile = f" tile_m {sm90_bwd.query_tile(2, args.d, masked=args.causal)}" if version == 2 else ""
         print(f"{name} v{version}{tile}: backward() {ms:.3f} ms, {fmul / ms / 1e9:.1f} TFLOP/s")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             call(version)

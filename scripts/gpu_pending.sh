@@ -7,13 +7,19 @@
 # are committed: parts 1-4 (session 28, bench/results/2026-11-27-h100-v28) are in git history at
 # da8f994; parts 5-7 (session 29, bench/results/2026-11-28-h100-v29) and 8-11 (session 30,
 # bench/results/2026-11-28-h200-v30) at 96436f8; part 12 at cb14a0c and parts 13-15 at 5da15f4
-# (session 31, bench/results/2026-11-28-h200-v31), parts 16-17 at 609635e (session 32,
-# bench/results/2026-11-28-h200-v32), e.g. `git show 609635e:scripts/gpu_pending.sh`.
-# Each results README names its files' parts. No part is pending.
+# (session 31, bench/results/2026-11-28-h200-v31), parts 16-17 at 609635e and part 18 in
+# the commit that added parts 19-20 (session 32, bench/results/2026-11-28-h200-v32), e.g.
+# `git show 609635e:scripts/gpu_pending.sh`.
+# Each results README names its files' parts.
+#   19 sm90_bwd_ws.D_LOAD (session 32, not yet run): the d128 backward tests with D read before the
+#      dP^T GEMM and before the S^T GEMM (sed), then an A/B of d128 and d128 causal at the three
+#      places (both new places spill: 120 B of stack at tile 80, 40 B at tile 64, against 40 / 0)
+#   20 the backward preset with the code as it is (session 32 ran it before `LSE_LOAD`)
+# The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU).
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
-part=${1:-16}
+part=${1:-19}
 
 tier() {  # name, budget (s), -k expression, test files...: true when nothing failed or hung
     local name=$1 budget=$2 expr=$3
@@ -24,5 +30,31 @@ tier() {  # name, budget (s), -k expression, test files...: true when nothing fa
     grep -h "^FAILED" /tmp/pending-"$name"/report*.txt | head -10
     grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/$name.log")
 }
+
+if [ "$part" = 19 ]; then
+    src=src/hopper_fmha/kernels/sm90_bwd_ws.py
+    for place in before_dp before_s; do
+        sed -i "s/^D_LOAD = .*/D_LOAD = \"$place\"/" $src
+        grep -n "^D_LOAD" $src
+        tier "tier19-$place" 90 \
+            "not wide and (matches_reference or query_tile_80 or varlen_backward or deterministic_is_bitwise or dq_writer_plain)" \
+            tests/test_gpu_backward.py
+    done
+    sed -i 's/^D_LOAD = .*/D_LOAD = "after_exp"/' $src
+    for args in "--d 128 --heads 16" "--d 128 --heads 16 --causal"; do
+        for place in after_exp before_dp before_s after_exp before_dp before_s; do
+            timeout 60 python scripts/bwd_profile.py $args --versions 2 --d-load $place \
+                2>&1 | grep TFLOP | sed "s/\$/  (d $place)/"
+        done
+    done | tee "$OUT/d_load.txt"
+    exit 0
+fi
+
+if [ "$part" = 20 ]; then
+    timeout 300 python -m hopper_fmha bench --preset backward --dtype float16 bfloat16 --out "$OUT/bwd20" \
+        > "$OUT/bwd20.log" 2>&1
+    echo "backward rc=$?"; grep -h "auto\(+det\)\?\` | \(bwd\|fwd+bwd\)" "$OUT"/bwd20/*.md
+    exit 0
+fi
 
 echo "no pending part $part"
