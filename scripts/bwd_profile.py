@@ -79,6 +79,7 @@ def main():
             "not deterministic, the wide kernel: dQ adds by the writer warp (sm90_bwd.DQ_WRITER_PLAIN_WIDE)",
         ),
         ("--wide-rotate", "deterministic: the wide kernel's rotated walk (sm90_bwd.WIDE_ROTATE)"),
+        ("--lse-registers-by-rows", "d64's tile 128: LSE in registers (sm90_bwd_ws.LSE_REGISTERS_BY_ROWS)"),
     ):
         parser.add_argument(switch, choices=("on", "off"), default=None, help=f"{what}, or not")
     parser.add_argument(
@@ -124,6 +125,8 @@ def main():
         sm90_bwd_ws.DKV_TMA_TILES = tuple(args.dkv_tma)
     if args.lse_load is not None:
         sm90_bwd_ws.LSE_LOAD = args.lse_load
+    if args.lse_registers_by_rows is not None:
+        sm90_bwd_ws.LSE_REGISTERS_BY_ROWS = args.lse_registers_by_rows == "on"
     if args.d_load is not None:
         sm90_bwd_ws.D_LOAD = args.d_load
     if args.dq_at_cast is not None:

@@ -15,6 +15,8 @@
 #      dP^T GEMM and before the S^T GEMM (sed), then an A/B of d128 and d128 causal at the three
 #      places (both new places spill: 120 B of stack at tile 80, 40 B at tile 64, against 40 / 0)
 #   20 the backward preset with the code as it is (session 32 ran it before `LSE_LOAD`)
+#   21 sm90_bwd_ws.LSE_REGISTERS_BY_ROWS (session 32, not yet run; no spill): d64's backward tests
+#      with it on (sed), then an A/B of d64 and d64 causal (tile 128)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -54,6 +56,24 @@ if [ "$part" = 20 ]; then
     timeout 300 python -m hopper_fmha bench --preset backward --dtype float16 bfloat16 --out "$OUT/bwd20" \
         > "$OUT/bwd20.log" 2>&1
     echo "backward rc=$?"; grep -h "auto\(+det\)\?\` | \(bwd\|fwd+bwd\)" "$OUT"/bwd20/*.md
+    exit 0
+fi
+
+if [ "$part" = 21 ]; then
+    src=src/hopper_fmha/kernels/sm90_bwd_ws.py
+    sed -i 's/^LSE_REGISTERS_BY_ROWS = .*/LSE_REGISTERS_BY_ROWS = True/' $src
+    grep -n "^LSE_REGISTERS_BY_ROWS" $src
+    if tier tier21 90 \
+        "not wide and (query_tile_128 or dq_fragments or (matches_reference and 64) or (varlen_backward and 64))" \
+        tests/test_gpu_backward.py; then
+        sed -i 's/^LSE_REGISTERS_BY_ROWS = .*/LSE_REGISTERS_BY_ROWS = False/' $src
+        for args in "--d 64 --heads 32" "--d 64 --heads 32 --causal"; do
+            for r in off on off on off on; do
+                timeout 60 python scripts/bwd_profile.py $args --versions 2 --lse-registers-by-rows $r \
+                    2>&1 | grep TFLOP | sed "s/\$/  (lse registers $r)/"
+            done
+        done | tee "$OUT/lse_registers_by_rows.txt"
+    fi
     exit 0
 fi
 

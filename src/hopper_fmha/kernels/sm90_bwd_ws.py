@@ -121,6 +121,10 @@ DKV_TMA_TILES: tuple[int, ...] = (64, 80, 128)
 # also delays the exponentials. 754 d128 GPU tests passed with each of the two new places. Read when
 # a kernel is built, like `DKV_TMA_TILES`.
 LSE_LOAD = "before_s"
+# Experiment (session 32, not yet run on a GPU): d64's tile 128 (`dq_by_rows`) keeps its LSE in
+# registers too, read where `LSE_LOAD` says (D stays read from sD at each use); off, each exponent
+# reads its LSE from sLSE, behind the GEMMs' shared-memory reads.
+LSE_REGISTERS_BY_ROWS = False
 # Experiment (session 32, not yet run on a GPU): where the same kernels read their query columns'
 # D (with dO): "after_exp" (after P's exponentials, while dP^T may still run: fewer registers live
 # across the GEMMs' issue), "before_dp" (before the dP^T GEMM's issue, after dO's wait) or "before_s"
@@ -662,7 +666,7 @@ class BwdWsSm90(BwdSm90):
             # read where `LSE_LOAD` and `D_LOAD` say (softcap: where they are used,
             # `capped_probabilities`); D "after_exp": in `probabilities`.
             lse_log2, dsum = None, None
-            lse_in_registers = not self.softcap and not self.dq_by_rows
+            lse_in_registers = not self.softcap and (not self.dq_by_rows or LSE_REGISTERS_BY_ROWS)
             if const_expr(lse_in_registers and LSE_LOAD == "before_s"):
                 lse_log2 = self.load_rows(tScS, sLSE, q_state.index)
             if const_expr(lse_in_registers and D_LOAD == "before_s"):
@@ -839,7 +843,7 @@ class BwdWsSm90(BwdSm90):
                         fastmath=True,
                     )
         # D of the columns, unless read already: while dP^T may still run (`D_LOAD` "after_exp").
-        if const_expr(dsum is None and lse_log2 is not None):
+        if const_expr(dsum is None and lse_log2 is not None and not self.dq_by_rows):
             dsum = self.load_rows(tScS, sD, do_stage)
         warpgroup.wait_group(0)  # dP^T done
         for c in cutlass.range_constexpr(cols):
