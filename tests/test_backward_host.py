@@ -359,6 +359,23 @@ def test_sum_copies_adds_in_order():
     assert sm90_bwd.sum_copies([a, b]).item() == 0.0
 
 
+@pytest.mark.parametrize("chains", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cast_copies_is_the_cast_of_the_sum(dtype, chains):
+    # `cast_copies` (the chains' sum cast in its last addition) gives the bits of the fp32 sum's
+    # cast, on copies viewed as the host views them (strided: padded rows cut off).
+    acc = torch.randn(2, chains, 80, 3, 16) * torch.logspace(-3, 3, 16)
+    copies = acc[:, :, :70].unbind(1)
+    expected = sm90_bwd.cast_dq(sm90_bwd.sum_copies(copies), dtype, None)
+    got = sm90_bwd.cast_copies(copies, dtype, None)
+    assert got.dtype == dtype and got.is_contiguous() and got.shape == (2, 70, 3, 16)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    a, b, c = torch.tensor([1e8]), torch.tensor([-1e8]), torch.tensor([1.0])
+    assert sm90_bwd.cast_copies([a, b, c], dtype, None).item() == 1.0  # in order, as sum_copies
+    scaled = sm90_bwd.cast_copies(copies, dtype, 0.125)
+    assert torch.equal(scaled, sm90_bwd.cast_dq(sm90_bwd.sum_copies(copies), dtype, 0.125))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dq_writer_warp_only_where_deterministic(kernels, monkeypatch, causal):
     # `DQ_WRITER_WARP` (compile-key element 16): deterministic calls of the v2 kernel ask for the

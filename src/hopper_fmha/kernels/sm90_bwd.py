@@ -708,6 +708,21 @@ def sum_copies(copies):
     return total
 
 
+def cast_copies(copies, dtype, scale: float | None):
+    """`cast_dq` of `sum_copies(copies)` (`DQ_CHAINS`): without a scale, the last addition writes
+    `dtype` directly (torch adds in fp32 and rounds once on the write, as the cast of the fp32
+    sum does: the same bits), so the fp32 sum of all copies is never written and read back."""
+    import torch
+
+    if scale is not None:
+        return cast_dq(sum_copies(copies), dtype, scale)
+    total = copies[0]
+    for c in copies[1:-1]:
+        total = total + c
+    dq = torch.empty(copies[0].shape, device=copies[0].device, dtype=dtype)
+    return torch.add(total, copies[-1], out=dq)
+
+
 def cast_dq(dq_acc, dtype, scale: float | None):
     """dQ in `dtype` from the fp32 dQacc: cast, or (scale given: the kernel left it out) scaled and
     cast in one elementwise pass (torch computes in fp32 and rounds once on the write)."""
@@ -1004,15 +1019,14 @@ def backward(
     if not mha and not atomic:
         dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
         dv = dv.view(batch, seqlen_k, kv_heads, group, d_v).sum(3)
-    if chains > 1:  # the copies' sum, in their order
-        if dq_fragments:
-            frag = sum_copies(frag.view(batch, heads, chains, blocks * tile_m, d).unbind(2))
-        else:
-            copies = dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, :, :seqlen_q]
-            dq_acc = sum_copies(copies.unbind(1))
     scale = softmax_scale if dq_unscaled else None
+    if chains > 1 and dq_fragments:  # the copies' sum, in their order
+        frag = sum_copies(frag.view(batch, heads, chains, blocks * tile_m, d).unbind(2))
     if dq_fragments:
         dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale, tile_m)
+    elif chains > 1:  # the copies' sum, in their order, cast (`cast_copies`)
+        copies = dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, :, :seqlen_q]
+        dq = cast_copies(copies.unbind(1), q.dtype, scale)
     else:
         dq = cast_dq(dq_acc, q.dtype, scale)
     grads = (dq, dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)
