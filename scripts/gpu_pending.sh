@@ -14,9 +14,9 @@
 #   19 sm90_bwd_ws.D_LOAD (session 32, not yet run): the d128 backward tests with D read before the
 #      dP^T GEMM and before the S^T GEMM (sed), then an A/B of d128 and d128 causal at the three
 #      places (both new places spill: 120 B of stack at tile 80, 40 B at tile 64, against 40 / 0)
-#   20 the backward preset with the code as it is (session 32 ran it before `LSE_LOAD` and
-#      `sm90_bwd.cast_copies`), after the deterministic wide tests (`cast_copies`: the chains' sum
-#      cast in its last addition, not yet run on a GPU)
+#   20 the backward preset with the code as it is (session 32 ran it before `LSE_LOAD`) and with
+#      `sm90_bwd.CAST_COPIES` on (sed; the chains' sum cast in its last addition, session 32, not
+#      yet run on a GPU), after the deterministic wide tests with it on
 #   21 sm90_bwd_ws.LSE_REGISTERS_BY_ROWS (session 32, not yet run; no spill): d64's backward tests
 #      with it on (sed), then an A/B of d64 and d64 causal (tile 128)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU).
@@ -55,6 +55,8 @@ if [ "$part" = 19 ]; then
 fi
 
 if [ "$part" = 20 ]; then
+    sed -i 's/^CAST_COPIES = False$/CAST_COPIES = True/' src/hopper_fmha/kernels/sm90_bwd.py
+    grep -n "^CAST_COPIES" src/hopper_fmha/kernels/sm90_bwd.py
     tier tier20 100 "wide and (deterministic or rotated or writer_layout)" tests/test_gpu_backward.py
     timeout 300 python -m hopper_fmha bench --preset backward --dtype float16 bfloat16 --out "$OUT/bwd20" \
         > "$OUT/bwd20.log" 2>&1

@@ -322,10 +322,11 @@ def test_dq_fragments(kernels, monkeypatch, kv_heads, deterministic, unscaled, d
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("cast", [False, True], ids=["sum", "cast_copies"])
 @pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
 @pytest.mark.parametrize("chains", [2, 3])
 @pytest.mark.parametrize("d, causal, tile", [(128, False, 80), (128, True, 64), (64, False, T64)])
-def test_dq_chains(kernels, monkeypatch, chains, fragments, d, causal, tile):
+def test_dq_chains(kernels, monkeypatch, chains, fragments, d, causal, tile, cast):
     # `DQ_CHAINS` (compile-key element 17): deterministic calls with the writer warp and no causal
     # or window ask for k chains; dQacc holds k copies of the padded rows (fragment order or not),
     # the semaphores k per query block; the host sums the copies: the reference's gradients.
@@ -333,6 +334,7 @@ def test_dq_chains(kernels, monkeypatch, chains, fragments, d, causal, tile):
     launches, keys = kernels
     monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(d, d): chains, (256, 256): 1})
     monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
+    monkeypatch.setattr(sm90_bwd, "CAST_COPIES", cast)  # (the rows' copies: fragments sum first)
     q, k, v, out, dout, lse = inputs(sq=170, sk=300, kv_heads=2, d=d)
     if causal:
         out, lse = reference(q, k, v, d**-0.5, True)

@@ -708,6 +708,11 @@ def sum_copies(copies):
     return total
 
 
+# The chains' copies summed and cast by `cast_copies` (session 32, host only; off until it has run
+# on a GPU: `scripts/gpu_pending.sh 20`), else summed in fp32 (`sum_copies`), then cast.
+CAST_COPIES = False
+
+
 def cast_copies(copies, dtype, scale: float | None):
     """`cast_dq` of `sum_copies(copies)` (`DQ_CHAINS`): without a scale, the last addition writes
     `dtype` directly (torch adds in fp32 and rounds once on the write, as the cast of the fp32
@@ -1024,9 +1029,12 @@ def backward(
         frag = sum_copies(frag.view(batch, heads, chains, blocks * tile_m, d).unbind(2))
     if dq_fragments:
         dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale, tile_m)
-    elif chains > 1:  # the copies' sum, in their order, cast (`cast_copies`)
-        copies = dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, :, :seqlen_q]
-        dq = cast_copies(copies.unbind(1), q.dtype, scale)
+    elif chains > 1:  # the copies' sum, in their order, cast
+        copies = dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, :, :seqlen_q].unbind(1)
+        if CAST_COPIES:
+            dq = cast_copies(copies, q.dtype, scale)
+        else:
+            dq = cast_dq(sum_copies(copies), q.dtype, scale)
     else:
         dq = cast_dq(dq_acc, q.dtype, scale)
     grads = (dq, dk.to(q.dtype), dv.to(q.dtype))  # (no copy where already q's type)
