@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+import cutlass
 import cutlass.cute as cute
 import torch
 
@@ -24,7 +25,9 @@ from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
 
 
 @cute.jit
-def _no_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg):
+def _no_dq(
+    self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg, store: cutlass.Constexpr = False
+):
     pass
 
 
@@ -80,6 +83,7 @@ def main():
         ),
         ("--wide-rotate", "deterministic: the wide kernel's rotated walk (sm90_bwd.WIDE_ROTATE)"),
         ("--lse-registers-by-rows", "d64's tile 128: LSE in registers (sm90_bwd_ws.LSE_REGISTERS_BY_ROWS)"),
+        ("--dq-store-first", "deterministic: first turns store, dQacc unzeroed (sm90_bwd_ws.DQ_STORE_FIRST)"),
     ):
         parser.add_argument(switch, choices=("on", "off"), default=None, help=f"{what}, or not")
     parser.add_argument(
@@ -125,6 +129,8 @@ def main():
         sm90_bwd_ws.DKV_TMA_TILES = tuple(args.dkv_tma)
     if args.lse_load is not None:
         sm90_bwd_ws.LSE_LOAD = args.lse_load
+    if args.dq_store_first is not None:
+        sm90_bwd_ws.DQ_STORE_FIRST = args.dq_store_first == "on"
     if args.lse_registers_by_rows is not None:
         sm90_bwd_ws.LSE_REGISTERS_BY_ROWS = args.lse_registers_by_rows == "on"
     if args.d_load is not None:

@@ -19,6 +19,8 @@
 #      yet run on a GPU), after the deterministic wide tests with it on
 #   21 sm90_bwd_ws.LSE_REGISTERS_BY_ROWS (session 32, not yet run; no spill): d64's backward tests
 #      with it on (sed), then an A/B of d64 and d64 causal (tile 128)
+#   22 sm90_bwd_ws.DQ_STORE_FIRST (session 32, not yet run): the deterministic tests with it on
+#      (sed), then an A/B of deterministic d128, d64 and d256
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -79,6 +81,22 @@ if [ "$part" = 21 ]; then
                     2>&1 | grep TFLOP | sed "s/\$/  (lse registers $r)/"
             done
         done | tee "$OUT/lse_registers_by_rows.txt"
+    fi
+    exit 0
+fi
+
+if [ "$part" = 22 ]; then
+    src=src/hopper_fmha/kernels/sm90_bwd_ws.py
+    sed -i 's/^DQ_STORE_FIRST = .*/DQ_STORE_FIRST = True/' $src
+    grep -n "^DQ_STORE_FIRST" $src
+    if tier tier22 150 "deterministic or writer_layout or rotated" tests/test_gpu_backward.py; then
+        sed -i 's/^DQ_STORE_FIRST = .*/DQ_STORE_FIRST = False/' $src
+        for args in "--d 128 --heads 16" "--d 64 --heads 32" "--d 256 --heads 8 --wide"; do
+            for r in off on off on; do
+                timeout 60 python scripts/bwd_profile.py $args --versions 2 --deterministic --dq-store-first $r \
+                    2>&1 | grep TFLOP | sed "s/\$/  (store first $r)/"
+            done
+        done | tee "$OUT/dq_store_first.txt"
     fi
     exit 0
 fi

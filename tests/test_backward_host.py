@@ -17,7 +17,7 @@ pytestmark = pytest.mark.cpu
 sm90_bwd = pytest.importorskip("hopper_fmha.kernels.sm90_bwd")  # needs the CuTe DSL
 from tvm_ffi_binding import assert_binds  # noqa: E402
 
-from hopper_fmha.kernels import bwd_preprocess  # noqa: E402
+from hopper_fmha.kernels import bwd_preprocess, sm90_bwd_ws  # noqa: E402
 from hopper_fmha.kernels.sm90_bwd_ws import BwdWsSm90  # noqa: E402
 
 # v2's query tile at d64 (without softcap), as the host picks it.
@@ -70,13 +70,16 @@ def dense_kernel(
     dq_fragments=False,
     tile_m=64,
     dq_chains=1,
+    stored=False,
 ):
     """A stand-in for a compiled backward kernel: the same 18 arguments, its part of the work
     done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks;
     the mask and softcap the compile key names, their sizes from the launch), written where the
     kernel writes; dQacc without the softmax scale where the key says so (`DQ_SCALE_AT_CAST`), in
     fragment order where it says so (`DQ_FRAGMENTS`); with `DQ_CHAINS` k > 1, dQacc holds k copies of
-    the padded rows, and key block n's part (128 keys) goes to copy n % k."""
+    the padded rows, and key block n's part (128 keys) goes to copy n % k. stored
+    (`sm90_bwd_ws.store_first`): a copy some key block reaches is written whole (its padded rows
+    too) before the adds, as the kernel's first turn stores."""
 
     def run(
         q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group, left, right, softcap, cu_q, cu_k, max_k
@@ -112,6 +115,12 @@ def dense_kernel(
             keys = (torch.arange(k.shape[1]) // 128) % dq_chains == c  # copy c's key blocks
             dq_part = torch.einsum("bhqk,bkhd->bqhd", ds * keys, kk) * (1.0 if dq_unscaled else scale)
             copy = dq_acc[:, c * pad : c * pad + q.shape[1]]
+            if stored and keys.any():  # the first turn's store: all of the copy's padded rows
+                if dq_fragments:
+                    whole = (copy.shape[0], copy.shape[2], pad * q.shape[3])
+                    copy.as_strided(whole, (*copy.stride()[::2], 1)).zero_()
+                else:
+                    dq_acc[:, c * pad : c * pad + (pad if dq_chains > 1 else q.shape[1])].zero_()
             if dq_fragments:
                 add_fragments(copy, dq_part.float(), tile_m)
             else:
@@ -175,9 +184,11 @@ def kernels(monkeypatch):
         # (dtype, d, causal, deterministic, version, mha, dkv_atomic, left, right, softcap, varlen,
         # tile_m, rotate, dq_unscaled, dq_fragments, dv, dq_writer, dq_chains, dq_writer_warps)
         assert key[10] is False
+        stored = sm90_bwd_ws.store_first(key[3], key[16], key[2] or any(key[7:9]), key[10])
         kernel = dense_kernel(
-            launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11], dq_chains=key[17]
-        )
+            launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11], dq_chains=key[17],
+            stored=stored,
+        )  # fmt: skip
         return binding_checked(key, kernel)
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
@@ -320,6 +331,42 @@ def test_dq_fragments(kernels, monkeypatch, kv_heads, deterministic, unscaled, d
     for ours, ref in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
         assert ours.dtype == torch.bfloat16 and ours.is_contiguous()
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
+@pytest.mark.parametrize("chains, sk", [(1, 300), (3, 300), (3, 170), (1, 0)])
+def test_dq_store_first(kernels, monkeypatch, chains, sk, fragments):
+    # `sm90_bwd_ws.DQ_STORE_FIRST`: a deterministic call without causal or window gets dQacc
+    # unzeroed (the kernel stores each block's first turn, as the stand-in does); the host zeroes
+    # the chain copies no turn reaches (170 keys: 2 key blocks, 3 copies) and all of dQacc where
+    # no kernel runs (no keys). torch.empty gives NaN here, so a copy left unwritten shows.
+    monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST", True)
+    monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(128, 128): chains})
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    q, k, v, out, dout, lse = inputs(sq=150, sk=sk, kv_heads=2, d=128)
+    expected = reference_grads(q, k, v, dout) if sk else None
+    for causal in (False, True):
+        if causal and not sk:
+            continue
+        if causal:
+            out, lse = reference(q, k, v, 128**-0.5, True)
+            out = out.to(q.dtype)
+            leaves = [t.double().requires_grad_() for t in (q, k, v)]
+            o, _ = reference(*leaves, 128**-0.5, True, dtype=torch.float64)
+            expected = torch.autograd.grad(o, leaves, dout.double())
+        grads = sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, causal, deterministic=True)
+        if not sk:
+            assert not grads[0].isnan().any() and not grads[0].any()
+            continue
+        for ours, ref in zip(grads, expected, strict=True):
+            torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("cast", [False, True], ids=["sum", "cast_copies"])

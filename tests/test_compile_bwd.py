@@ -503,3 +503,25 @@ def test_lse_registers_by_rows_compile(monkeypatch):
     on = bwd_cubin(*key)
     assert sass_or_skip(on) != sass_or_skip(off)
     assert stack_bytes(on) == stack_bytes(off) == 0
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
+def test_dq_store_first_compiles(monkeypatch, fragments):
+    # `sm90_bwd_ws.DQ_STORE_FIRST` (session 32's experiment, off): the writer warp's first turn of
+    # a block stores (TMA store, or in fragment order a 1-D bulk copy) where the others add; no
+    # more stack. d128 tile 80 rotated, or d64 tile 128 in fragment order, deterministic.
+    from hopper_fmha.kernels import sm90_bwd_ws
+
+    d, tile, rotate = (64, 128, False) if fragments else (128, 80, True)
+    key = ("bfloat16", d, False, True, 2, True, False, False, False, False, False, tile, rotate, False)
+    key = key + (fragments, None, True)
+    cubins = []
+    for on in (False, True):
+        monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST", on)
+        cubins.append(bwd_cubin(*key))
+    off, on = (sass_or_skip(c) for c in cubins)
+    store = "UBLKCP" if fragments else "UTMASTG"
+    if fragments:
+        assert store not in off
+    assert on.count(store) > off.count(store)
+    assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])

@@ -985,12 +985,29 @@ def backward(
     writer = dq_writer(bool(deterministic), tile_m, wide) and version == 2
     chains = dq_chains(bool(deterministic), version, writer, (d, d_v), causal or left >= 0 or right >= 0)
     blocks = -(-seqlen_q // tile_m)
+    # Deterministic without causal or window: the kernel stores each block's first turn, so dQacc
+    # needs no zeros, but where a chain copy gets no turn (fewer key blocks than copies) or no
+    # kernel runs (`sm90_bwd_ws.store_first`).
+    from .sm90_bwd_ws import store_first
+
+    masked = causal or left >= 0 or right >= 0
+    stored = version == 2 and store_first(bool(deterministic), writer, masked, False)
+    alloc_acc = torch.empty if stored else torch.zeros
     if dq_fragments:  # per (batch, head), whole blocks: each block's fragments contiguous
-        frag = torch.zeros(batch, heads, chains * blocks * tile_m, d, device=q.device, dtype=torch.float32)
+        frag = alloc_acc(batch, heads, chains * blocks * tile_m, d, device=q.device, dtype=torch.float32)
         dq_acc = frag.transpose(1, 2)[:, : seqlen_q if chains == 1 else None]
     else:  # (chains: copies of the padded rows, one after another)
         rows = seqlen_q if chains == 1 else chains * blocks * tile_m
-        dq_acc = torch.zeros(batch, rows, heads, d, device=q.device, dtype=torch.float32)
+        dq_acc = alloc_acc(batch, rows, heads, d, device=q.device, dtype=torch.float32)
+    if stored:
+        turns = -(-seqlen_k // keys_per_cta(d, d_v)) if seqlen_q > 0 else 0  # per query block
+        if turns == 0:  # no kernel runs
+            (frag if dq_fragments else dq_acc).zero_()
+        elif turns < chains:  # the copies no turn reaches
+            if dq_fragments:
+                frag.view(batch, heads, chains, blocks * tile_m, d)[:, :, turns:].zero_()
+            else:
+                dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, turns:].zero_()
     group = heads // kv_heads
     mha = group == 1
     # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;

@@ -83,6 +83,7 @@ from .sm90_common import (
     acc_mn_layout,
     acc_to_operand_a_layout,
     bulk_reduce_add_f32,
+    bulk_store_f32,
     convert,
     gemm,
     smem_layout,
@@ -132,6 +133,22 @@ LSE_REGISTERS_BY_ROWS = False
 # causal) came from a load no longer issued behind a GEMM's shared-memory reads; D's is issued
 # behind both GEMMs'. Predicted: +1-3% at d128 causal for "before_s", less for "before_dp".
 D_LOAD = "after_exp"
+# Experiment (session 32, not yet run on a GPU): deterministic dQ without zeroing dQacc. With the
+# writer warp, without causal, window or varlen, every query block takes a turn from every key
+# block, so the first turn of each block (of each chain copy, `sm90_bwd.DQ_CHAINS`) writes its dQ
+# with a TMA store (fragment order: a 1-D bulk copy) instead of a reduce-add, and the host
+# allocates dQacc without zeroing it (`store_first`). Why: the zero fill writes all of dQacc once
+# more (128 MB at d128 B4 N4096 H16: ~40 us of ~2.4 ms, d256's two chain copies ~85 us). Predicted
+# +1-2% deterministic there. Read when a kernel is built, like `DKV_TMA_TILES`.
+DQ_STORE_FIRST = False
+
+
+def store_first(deterministic: bool, dq_writer: bool, masked: bool, varlen: bool) -> bool:
+    """Whether a deterministic kernel stores its first turn's dQ (`DQ_STORE_FIRST`): the kernel
+    (`set_dq_writer`) and the host (dQacc not zeroed) ask the same. masked: causal or a window."""
+    return DQ_STORE_FIRST and deterministic and dq_writer and not masked and not varlen
+
+
 BARRIER_DKV = 5  # both consumer warpgroups: sK, sV free for dK, dV / dK, dV written (`store_dkdv_tma`)
 # `sm90_bwd_wide`'s: both consumer warpgroups' GEMMs of a block have read its one sP/sdS buffer. The
 # named barriers of both kernels are numbered here, so that no id meets with two thread counts.
@@ -256,6 +273,8 @@ class BwdWsSm90(BwdSm90):
         assert dq_writer_warps == 1 or (dq_writer_warps == 2 and self.deterministic and self.dq_writer)
         self.dq_chains = dq_chains
         self.writer_warps = dq_writer_warps
+        masked = self.causal or self.window_left or self.window_right
+        self.dq_store_first = store_first(self.deterministic, self.dq_writer, masked, self.varlen)
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):
@@ -335,6 +354,12 @@ class BwdWsSm90(BwdSm90):
             tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]), dq_box
             )
+        # `dq_store_first`: the first turn's plain TMA store (over the same box and tensor).
+        tma_atom_dQs = None
+        if const_expr(self.dq_store_first and not self.dq_fragments):
+            tma_atom_dQs, _ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdQacc, cute.select(dq_layout, mode=[0, 1]), dq_box
+            )
 
         # dK, dV in the inputs' type at q heads (MHA, dense): through sK / sV (free once the last
         # block's GEMMs are done) and a TMA store each, instead of 2-byte stores from registers.
@@ -376,8 +401,8 @@ class BwdWsSm90(BwdSm90):
             grid = ((max_seqlen_k + tile_n - 1) // tile_n, cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
-            tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, tma_atom_dK, mdK, tma_atom_dV, mdV,
-            mSem, softmax_scale,
+            tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, tma_atom_dQs, tma_atom_dK, mdK,
+            tma_atom_dV, mdV, mSem, softmax_scale,
             qhead_per_kvhead, window_size_left, window_size_right, softcap, mCuSeqlensQ, mCuSeqlensK,
             kv_layout, v_layout, q_layout, do_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv,
             tiled_mma_dq, SharedStorage,
@@ -412,6 +437,7 @@ class BwdWsSm90(BwdSm90):
         mD: cute.Tensor,
         tma_atom_dQ: cute.CopyAtom | None,
         mdQacc: cute.Tensor,
+        tma_atom_dQs: cute.CopyAtom | None,
         tma_atom_dK: cute.CopyAtom | None,
         mdK: cute.Tensor,
         tma_atom_dV: cute.CopyAtom | None,
@@ -514,8 +540,8 @@ class BwdWsSm90(BwdSm90):
                 for w in cutlass.range_constexpr(self.writer_warps):  # (warps 1, 2: parities 0, 1)
                     if warp_idx == 1 + w:
                         self.write_dq(
-                            sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, n_block, head, batch, m_min, m_max,
-                            walk, w,
+                            sdQ, (tma_atom_dQ, tma_atom_dQs), mdQacc, mSem, mask, seqlen, n_block, head,
+                            batch, m_min, m_max, walk, w,
                         )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(REGISTERS[1])
@@ -958,7 +984,7 @@ class BwdWsSm90(BwdSm90):
 
     @cute.jit
     def write_dq(
-        self, sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, n_block, head, batch, m_min, m_max, walk,
+        self, sdQ, atoms, mdQacc, mSem, mask, seqlen, n_block, head, batch, m_min, m_max, walk,
         parity: cutlass.Constexpr = 0,
     ):  # fmt: skip
         """`dq_writer`'s warp (the producer warpgroup's second): per query block of the walk, once
@@ -967,7 +993,10 @@ class BwdWsSm90(BwdSm90):
         (`BARRIER_DQ_EMPTY`, not after the last block, whose staging nobody waits for), and
         (deterministic) pass the turn once the adds are complete. The consumers wait for neither
         a turn nor a bulk group: only for the buffers, one block later. With `writer_warps` 2, this
-        warp takes the walk's steps of `parity` (0 even, 1 odd), on that parity's barriers."""
+        warp takes the walk's steps of `parity` (0 even, 1 odd), on that parity's barriers.
+        atoms: dQ's TMA reduce-add and (`dq_store_first`) store atoms; a block's first turn (of its
+        chain copy) stores with `dq_store_first`."""
+        tma_atom_dQ, tma_atom_dQs = atoms
         lane = cute.arch.lane_idx()
         full, empty, step = BARRIER_DQ_FULL, BARRIER_DQ_EMPTY, 1
         if const_expr(self.writer_warps == 2):
@@ -977,6 +1006,7 @@ class BwdWsSm90(BwdSm90):
         for i in cutlass.range(m_min + parity, m_max, step, unroll=1):
             m_block = self.walk_block(i, m_min, m_max, walk)
             acc_block = m_block  # (the block of dQacc this block's adds go to)
+            first = False
             if const_expr(self.deterministic):
                 turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)  # (before the wait)
                 if const_expr(self.dq_chains > 1):
@@ -985,6 +1015,8 @@ class BwdWsSm90(BwdSm90):
                     blocks = (seqlen.seqlen_q + self.tile_m - 1) // self.tile_m
                     acc_block = m_block + turn % self.dq_chains * blocks
                     turn = turn // self.dq_chains
+                if const_expr(self.dq_store_first):
+                    first = turn == 0
                 sem = mSem.iterator + cute.crd2idx((batch, head, acc_block), mSem.layout)
             cute.arch.barrier(barrier_id=full, number_of_threads=DQ_WRITER_THREADS)
             if const_expr(self.deterministic):
@@ -997,11 +1029,14 @@ class BwdWsSm90(BwdSm90):
                 # writes.
                 cute.arch.fence_proxy("async.global")
             for wg in cutlass.range_constexpr(2):
-                if const_expr(self.dq_fragments):
-                    if lane == 0:
-                        self.reduce_dq(sdQ, tma_atom_dQ, mdQacc, acc_block, head, batch, seqlen, wg)
+                where = (mdQacc, acc_block, head, batch, seqlen, wg)
+                if const_expr(self.dq_store_first):
+                    if first:
+                        self.write_dq_part(sdQ, tma_atom_dQs, *where, True)
+                    else:
+                        self.write_dq_part(sdQ, tma_atom_dQ, *where, False)
                 else:
-                    self.reduce_dq(sdQ, tma_atom_dQ, mdQacc, acc_block, head, batch, seqlen, wg)
+                    self.write_dq_part(sdQ, tma_atom_dQ, *where, False)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
@@ -1149,15 +1184,30 @@ class BwdWsSm90(BwdSm90):
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def reduce_dq(self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg):
+    def write_dq_part(self, sdQ, atom, mdQacc, m_block, head, batch, seqlen, wg, store: cutlass.Constexpr):
+        """The writer warp's `reduce_dq` (fragment order: by its first lane), or its store."""
+        if const_expr(self.dq_fragments):
+            if cute.arch.lane_idx() == 0:
+                self.reduce_dq(sdQ, atom, mdQacc, m_block, head, batch, seqlen, wg, store)
+        else:
+            self.reduce_dq(sdQ, atom, mdQacc, m_block, head, batch, seqlen, wg, store)
+
+    @cute.jit
+    def reduce_dq(
+        self, sdQ, tma_atom_dQ, mdQacc, m_block, head, batch, seqlen, wg, store: cutlass.Constexpr = False
+    ):
         """Issue the add of warpgroup wg's sdQ buffer into its part of dQacc's block m_block (a
         warp's TMA reduce-add; in fragment order one thread's 1-D bulk reduce-add onto the
-        warpgroup's contiguous half of the block, the host laying dQacc out per head)."""
+        warpgroup's contiguous half of the block, the host laying dQacc out per head); store: a
+        plain store instead (`dq_store_first`; tma_atom_dQ then the store atom)."""
         if const_expr(self.dq_fragments):
             gdQ = mdQacc[None, None, head, batch]
             count = cute.size(sdQ, mode=[0]) * cute.size(sdQ, mode=[1]) * cute.size(sdQ, mode=[2])
             dst = gdQ.iterator + cute.crd2idx((m_block * self.tile_m, 0), gdQ.layout) + wg * count
-            bulk_reduce_add_f32(dst, sdQ[None, None, None, wg].iterator, count * 4)
+            if const_expr(store):  # (`dq_store_first`)
+                bulk_store_f32(dst, sdQ[None, None, None, wg].iterator, count * 4)
+            else:
+                bulk_reduce_add_f32(dst, sdQ[None, None, None, wg].iterator, count * 4)
         else:
             sdQ_wg = sdQ[None, None, wg]
             # This warpgroup's part: rows of the block's second half (by rows), or columns.

@@ -149,6 +149,24 @@ def bulk_reduce_add_f32(gmem_ptr, smem_ptr, nbytes: int, *, loc=None, ip=None):
     )
 
 
+@dsl_user_op
+def bulk_store_f32(gmem_ptr, smem_ptr, nbytes: int, *, loc=None, ip=None):
+    """gmem[:n] = smem[:n], as `bulk_reduce_add_f32` but a plain copy (cp.async.bulk)."""
+    llvm.inline_asm(
+        None,
+        [
+            gmem_ptr.llvm_ptr,
+            smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+            Int32(nbytes).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 @cute.jit
 def pinned_wait_group(p: Float32):
     """wait_group(0) that ptxas keeps after `p` is computed: both arms of a branch on p wait.
