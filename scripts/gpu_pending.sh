@@ -21,6 +21,9 @@
 #      with it on (sed), then an A/B of d64 and d64 causal (tile 128)
 #   22 sm90_bwd_ws.DQ_STORE_FIRST (session 32, not yet run): the deterministic tests with it on
 #      (sed), then an A/B of deterministic d128, d64 and d256
+#   23 sm90_ws.SOFTCAP_IN_Q (session 32, not yet run; the forward): the softcap tests of the
+#      forward's tiers with it on (sed), then the features preset with it on and off (its
+#      "softcap ÷ plain" rows: softcap's cost)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -97,6 +100,22 @@ if [ "$part" = 22 ]; then
                     2>&1 | grep TFLOP | sed "s/\$/  (store first $r)/"
             done
         done | tee "$OUT/dq_store_first.txt"
+    fi
+    exit 0
+fi
+
+if [ "$part" = 23 ]; then
+    src=src/hopper_fmha/kernels/sm90_ws.py
+    sed -i 's/^SOFTCAP_IN_Q = .*/SOFTCAP_IN_Q = True/' $src
+    grep -n "^SOFTCAP_IN_Q" $src
+    if tier tier23 120 softcap tests/test_gpu_ws_features.py tests/test_gpu_varlen.py tests/test_gpu_kvcache.py \
+        tests/test_gpu_head_dims.py; then
+        for r in True False; do
+            sed -i "s/^SOFTCAP_IN_Q = .*/SOFTCAP_IN_Q = $r/" $src
+            timeout 200 python -m hopper_fmha bench --preset features --out "$OUT/features23-$r" \
+                > "$OUT/features23-$r.log" 2>&1
+            echo "softcap in q $r: rc=$?"; grep -h -i "softcap" "$OUT/features23-$r"/*.md | grep "auto" | head -6
+        done
     fi
     exit 0
 fi
