@@ -38,6 +38,23 @@ def _no_dq(
 PROBES = {"nodq": ("reduce_dq", _no_dq)}
 
 
+# The switches a run may set: on/off ones, then those naming a place (flag, module, name, [choices,] what).
+ON_OFF = (
+    ("--dq-at-cast", sm90_bwd, "DQ_SCALE_AT_CAST", "dQ's softmax scale applied as the host casts dQacc"),
+    ("--dq-fragments", sm90_bwd, "DQ_FRAGMENTS", "dQ staged and added in fragment order"),
+    ("--dq-writer", sm90_bwd, "DQ_WRITER_WARP", "deterministic: turns and dQ adds by a warp of their own"),
+    ("--dq-writer-plain", sm90_bwd, "DQ_WRITER_PLAIN", "not deterministic: dQ adds by the writer warp"),
+    ("--dq-writer-plain-wide", sm90_bwd, "DQ_WRITER_PLAIN_WIDE", "the same in the wide kernel"),
+    ("--wide-rotate", sm90_bwd, "WIDE_ROTATE", "deterministic: the wide kernel's rotated walk"),
+    ("--lse-registers-by-rows", sm90_bwd_ws, "LSE_REGISTERS_BY_ROWS", "d64's tile 128: LSE in registers"),
+    ("--dq-store-first", sm90_bwd_ws, "DQ_STORE_FIRST", "deterministic: first turns store, dQacc unzeroed"),
+)
+PLACES = (
+    ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),
+    ("--d-load", sm90_bwd_ws, "D_LOAD", ("after_exp", "before_dp", "before_s"), "where d128 reads D"),
+)
+
+
 def inputs(args):
     torch.manual_seed(0)
     shape = (args.batch, args.seqlen, args.heads, args.d)
@@ -72,20 +89,11 @@ def main():
         nargs="*",
         help="the query tiles whose MHA kernels store dK, dV by TMA (sm90_bwd_ws.DKV_TMA_TILES; empty: none)",
     )
-    for switch, what in (
-        ("--dq-at-cast", "dQ's softmax scale applied as the host casts dQacc (sm90_bwd.DQ_SCALE_AT_CAST)"),
-        ("--dq-fragments", "dQ staged and added in fragment order (sm90_bwd.DQ_FRAGMENTS)"),
-        ("--dq-writer", "deterministic: turns and dQ adds by a warp of their own (sm90_bwd.DQ_WRITER_WARP)"),
-        ("--dq-writer-plain", "not deterministic: dQ adds by the writer warp (sm90_bwd.DQ_WRITER_PLAIN)"),
-        (
-            "--dq-writer-plain-wide",
-            "not deterministic, the wide kernel: dQ adds by the writer warp (sm90_bwd.DQ_WRITER_PLAIN_WIDE)",
-        ),
-        ("--wide-rotate", "deterministic: the wide kernel's rotated walk (sm90_bwd.WIDE_ROTATE)"),
-        ("--lse-registers-by-rows", "d64's tile 128: LSE in registers (sm90_bwd_ws.LSE_REGISTERS_BY_ROWS)"),
-        ("--dq-store-first", "deterministic: first turns store, dQacc unzeroed (sm90_bwd_ws.DQ_STORE_FIRST)"),
-    ):
-        parser.add_argument(switch, choices=("on", "off"), default=None, help=f"{what}, or not")
+    for flag, module, name, what in ON_OFF:
+        where = f"{module.__name__}.{name}"
+        parser.add_argument(flag, choices=("on", "off"), default=None, help=f"{what} ({where}), or not")
+    for flag, module, name, choices, what in PLACES:
+        parser.add_argument(flag, choices=choices, default=None, help=f"{what} ({module.__name__}.{name})")
     parser.add_argument(
         "--writer-warps",
         type=int,
@@ -103,18 +111,6 @@ def main():
         action="store_true",
         help="head dims past 128 on the wide kernel (backward.WIDE_BACKWARD; others padded to its pairs)",
     )
-    parser.add_argument(
-        "--lse-load",
-        choices=("before_s", "after_s", "after_dp"),
-        default=None,
-        help="where d128's consumers read the LSE (sm90_bwd_ws.LSE_LOAD)",
-    )
-    parser.add_argument(
-        "--d-load",
-        choices=("after_exp", "before_dp", "before_s"),
-        default=None,
-        help="where d128's consumers read D (sm90_bwd_ws.D_LOAD)",
-    )
     parser.add_argument("--ncu", action="store_true", help="one call, no timing (v2 at the first --tile-m)")
     parser.add_argument(
         "--tile-m",
@@ -127,26 +123,12 @@ def main():
     args = parser.parse_args()
     if args.dkv_tma is not None:
         sm90_bwd_ws.DKV_TMA_TILES = tuple(args.dkv_tma)
-    if args.lse_load is not None:
-        sm90_bwd_ws.LSE_LOAD = args.lse_load
-    if args.dq_store_first is not None:
-        sm90_bwd_ws.DQ_STORE_FIRST = args.dq_store_first == "on"
-    if args.lse_registers_by_rows is not None:
-        sm90_bwd_ws.LSE_REGISTERS_BY_ROWS = args.lse_registers_by_rows == "on"
-    if args.d_load is not None:
-        sm90_bwd_ws.D_LOAD = args.d_load
-    if args.dq_at_cast is not None:
-        sm90_bwd.DQ_SCALE_AT_CAST = args.dq_at_cast == "on"
-    if args.dq_fragments is not None:
-        sm90_bwd.DQ_FRAGMENTS = args.dq_fragments == "on"
-    if args.dq_writer is not None:
-        sm90_bwd.DQ_WRITER_WARP = args.dq_writer == "on"
-    if args.dq_writer_plain is not None:
-        sm90_bwd.DQ_WRITER_PLAIN = args.dq_writer_plain == "on"
-    if args.dq_writer_plain_wide is not None:
-        sm90_bwd.DQ_WRITER_PLAIN_WIDE = args.dq_writer_plain_wide == "on"
-    if args.wide_rotate is not None:
-        sm90_bwd.WIDE_ROTATE = args.wide_rotate == "on"
+    for flag, module, name, *_ in ON_OFF:
+        if (value := getattr(args, flag[2:].replace("-", "_"))) is not None:
+            setattr(module, name, value == "on")
+    for flag, module, name, *_ in PLACES:
+        if (value := getattr(args, flag[2:].replace("-", "_"))) is not None:
+            setattr(module, name, value)
     if args.writer_warps is not None:
         sm90_bwd.DQ_WRITER_WARPS = args.writer_warps
     if args.dq_chains is not None:

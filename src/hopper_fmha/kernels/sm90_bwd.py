@@ -721,9 +721,7 @@ def cast_copies(copies, dtype, scale: float | None):
 
     if scale is not None:
         return cast_dq(sum_copies(copies), dtype, scale)
-    total = copies[0]
-    for c in copies[1:-1]:
-        total = total + c
+    total = sum_copies(copies[:-1]) if len(copies) > 2 else copies[0]
     dq = torch.empty(copies[0].shape, device=copies[0].device, dtype=dtype)
     return torch.add(total, copies[-1], out=dq)
 
@@ -977,21 +975,23 @@ def backward(
     if any(features) and version != 2:
         raise NotImplementedError(f"backward kernel version {version} has no window or softcap (v2 has)")
     q, k, v, dout = (t.contiguous() for t in (q, k, v, dout))  # no copy where already contiguous
-    tile_m = query_tile(version, d, bool(softcap), causal or left >= 0 or right >= 0)
+    masked = causal or left >= 0 or right >= 0
+    tile_m = query_tile(version, d, bool(softcap), masked)
     delta, lse2 = row_stats(out, dout, lse, dlse, tile_m)
     # The kernel and the host below agree on these two (both in the compile key).
     dq_unscaled = tile_switch(DQ_SCALE_AT_CAST, tile_m)
     dq_fragments = tile_switch(DQ_FRAGMENTS, tile_m) and version == 2 and not wide
     writer = dq_writer(bool(deterministic), tile_m, wide) and version == 2
-    chains = dq_chains(bool(deterministic), version, writer, (d, d_v), causal or left >= 0 or right >= 0)
+    chains = dq_chains(bool(deterministic), version, writer, (d, d_v), masked)
     blocks = -(-seqlen_q // tile_m)
     # Deterministic without causal or window: the kernel stores each block's first turn, so dQacc
     # needs no zeros, but where a chain copy gets no turn (fewer key blocks than copies) or no
-    # kernel runs (`sm90_bwd_ws.store_first`).
-    from .sm90_bwd_ws import store_first
+    # kernel runs (`sm90_bwd_ws.store_first`; imported only when deterministic).
+    stored = False
+    if deterministic and version == 2:
+        from .sm90_bwd_ws import store_first
 
-    masked = causal or left >= 0 or right >= 0
-    stored = version == 2 and store_first(bool(deterministic), writer, masked, False)
+        stored = store_first(True, writer, masked, False)
     alloc_acc = torch.empty if stored else torch.zeros
     if dq_fragments:  # per (batch, head), whole blocks: each block's fragments contiguous
         frag = alloc_acc(batch, heads, chains * blocks * tile_m, d, device=q.device, dtype=torch.float32)

@@ -129,11 +129,8 @@ def as_int32(x: Float32, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-@dsl_user_op
-def bulk_reduce_add_f32(gmem_ptr, smem_ptr, nbytes: int, *, loc=None, ip=None):
-    """gmem[:n] += smem[:n], n = nbytes / 4 fp32 values, contiguous on both sides (16-byte aligned,
-    nbytes a multiple of 16): one cp.reduce.async.bulk in the calling thread's bulk async-group
-    (commit and wait as for TMA stores)."""
+def _bulk_s2g(instruction: str, gmem_ptr, smem_ptr, nbytes: int, loc, ip):
+    """One bulk copy instruction from shared to global memory ([$0] global, [$1] shared, $2 bytes)."""
     llvm.inline_asm(
         None,
         [
@@ -141,7 +138,7 @@ def bulk_reduce_add_f32(gmem_ptr, smem_ptr, nbytes: int, *, loc=None, ip=None):
             smem_ptr.toint(loc=loc, ip=ip).ir_value(),
             Int32(nbytes).ir_value(loc=loc, ip=ip),
         ],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        instruction,
         "l,r,r",
         has_side_effects=True,
         is_align_stack=False,
@@ -150,20 +147,21 @@ def bulk_reduce_add_f32(gmem_ptr, smem_ptr, nbytes: int, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def bulk_reduce_add_f32(gmem_ptr, smem_ptr, nbytes: int, *, loc=None, ip=None):
+    """gmem[:n] += smem[:n], n = nbytes / 4 fp32 values, contiguous on both sides (16-byte aligned,
+    nbytes a multiple of 16): one cp.reduce.async.bulk in the calling thread's bulk async-group
+    (commit and wait as for TMA stores)."""
+    _bulk_s2g(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        gmem_ptr, smem_ptr, nbytes, loc, ip,
+    )  # fmt: skip
+
+
+@dsl_user_op
 def bulk_store_f32(gmem_ptr, smem_ptr, nbytes: int, *, loc=None, ip=None):
     """gmem[:n] = smem[:n], as `bulk_reduce_add_f32` but a plain copy (cp.async.bulk)."""
-    llvm.inline_asm(
-        None,
-        [
-            gmem_ptr.llvm_ptr,
-            smem_ptr.toint(loc=loc, ip=ip).ir_value(),
-            Int32(nbytes).ir_value(loc=loc, ip=ip),
-        ],
-        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+    _bulk_s2g(
+        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", gmem_ptr, smem_ptr, nbytes, loc, ip
     )
 
 
