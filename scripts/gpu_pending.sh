@@ -13,7 +13,8 @@
 # Each results README names its files' parts.
 #   19 sm90_bwd_ws.D_LOAD (session 32, not yet run): the d128 backward tests with D read before the
 #      dP^T GEMM and before the S^T GEMM (sed), then an A/B of d128 and d128 causal at the three
-#      places (both new places spill: 120 B of stack at tile 80, 40 B at tile 64, against 40 / 0)
+#      places (both new places spill: 120 B of stack at tile 80, 40 B at tile 64, against 40 / 0);
+#      D_LOAD_TIERS="" runs only the A/B, D_LOAD_TIERS=before_s only that place's tests
 #   20 the backward preset with the code as it is (session 32 ran it before `LSE_LOAD`) and with
 #      `sm90_bwd.CAST_COPIES` on (sed; the chains' sum cast in its last addition, session 32, not
 #      yet run on a GPU), after the deterministic wide tests with it on
@@ -42,7 +43,7 @@ tier() {  # name, budget (s), -k expression, test files...: true when nothing fa
 
 if [ "$part" = 19 ]; then
     src=src/hopper_fmha/kernels/sm90_bwd_ws.py
-    for place in before_dp before_s; do
+    for place in ${D_LOAD_TIERS-before_dp before_s}; do
         sed -i "s/^D_LOAD = .*/D_LOAD = \"$place\"/" $src
         grep -n "^D_LOAD" $src
         tier "tier19-$place" 90 \

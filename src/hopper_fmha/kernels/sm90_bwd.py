@@ -708,9 +708,10 @@ def sum_copies(copies):
     return total
 
 
-# The chains' copies summed and cast by `cast_copies` (session 32, host only; off until it has run
-# on a GPU: `scripts/gpu_pending.sh 20`), else summed in fp32 (`sum_copies`), then cast.
-CAST_COPIES = False
+# The chains' copies summed and cast by `cast_copies` (session 32, host only; on since session 33's
+# GPU run, v33: 231 wide deterministic tests passed, the backward preset ran with it), else summed
+# in fp32 (`sum_copies`), then cast.
+CAST_COPIES = True
 
 
 def cast_copies(copies, dtype, scale: float | None):

@@ -139,8 +139,10 @@ D_LOAD = "after_exp"
 # with a TMA store (fragment order: a 1-D bulk copy) instead of a reduce-add, and the host
 # allocates dQacc without zeroing it (`store_first`). Why: the zero fill writes all of dQacc once
 # more (128 MB at d128 B4 N4096 H16: ~40 us of ~2.4 ms, d256's two chain copies ~85 us). Predicted
-# +1-2% deterministic there. Read when a kernel is built, like `DKV_TMA_TILES`.
-DQ_STORE_FIRST = False
+# +1-2% deterministic there; measured (v33, `bwd_profile` off/on twice) d128 502/512 -> 554/523
+# TFLOP/s, d256 257/253 -> 267/278, d64 flat; 933 deterministic tests passed. On. Read when a
+# kernel is built, like `DKV_TMA_TILES`.
+DQ_STORE_FIRST = True
 
 
 def store_first(deterministic: bool, dq_writer: bool, masked: bool, varlen: bool) -> bool:
