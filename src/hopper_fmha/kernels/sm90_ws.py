@@ -130,16 +130,6 @@ BARRIER_PINGPONG = 2  # + consumer warpgroup index: the barrier that warpgroup w
 BARRIER_TILE_FULL = 5  # the producer has written the next tile index
 BARRIER_TILE_EMPTY = 6  # every consumer thread has read it
 BARRIER_O_SLOT = 7  # + consumer warpgroup index: that warpgroup's O buffer is written / free (split_o)
-BARRIER_Q_SCALED = 10  # + consumer warpgroup index: its rows of Q are scaled (`SOFTCAP_IN_Q`)
-# Experiment (session 32, not yet run on a GPU): softcap with Q's tile multiplied by
-# softmax_scale / cap in shared memory once per tile (each consumer warpgroup its 64 rows, rounded
-# to Q's 16-bit type), so each score's tanh takes S as it is: one FMUL fewer per score. Why: v25's
-# ncu put softcap's cost (11-14%; target 10%) in the softmax phase's instruction count (+28%
-# instructions: FMUL + MUFU.TANH per score, +33% cycles), not in MUFU's throughput. Predicted:
-# softcap's cost about halves. The rounding of the scaled Q adds one 16-bit rounding to each q
-# element (as a q given already scaled would have). Read when a kernel is built (not in
-# `KernelKey`: an A/B needs a kernel cache folder per setting).
-SOFTCAP_IN_Q = False
 # (producer, consumer) registers per thread, by number of consumer warpgroups (FlashAttention-3's).
 REGISTER_SPLIT = {1: (24, 240), 2: (24, 240), 3: (32, 160)}
 
@@ -271,7 +261,6 @@ class WsFwdSm90:
         assert not window or cluster_m == 1, "a window needs cluster_m = 1 (pairs visit the same blocks)"
         assert not (self.trim and self.window_left), "causal_trim with a left window is not supported"
         self.softcap = softcap
-        self.softcap_in_q = softcap and SOFTCAP_IN_Q
         self.sink = sink
         # Packed variable-length sequences (`SeqlenInfo`): cu_seqlens_q/k; seqused_k (a KV
         # cache's filled rows, dense or packed).
@@ -825,9 +814,7 @@ class WsFwdSm90:
             acc_shape_S_half = tiled_mma_qk_half.get_slice(tidx).partition_shape_C(
                 (self.tile_m, self.tile_n // 2)
             )
-        softmax = Softmax.create(
-            scale_log2, rows_per_thread, self.mma_rowsum, softcap_scale, self.softcap_in_q
-        )
+        softmax = Softmax.create(scale_log2, rows_per_thread, self.mma_rowsum, softcap_scale)
         # With rescale_o_early: the factor of the last softmax, applied before the next GEMM-II.
         o_scale = cute.make_rmem_tensor((rows_per_thread,), Float32)
         cS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -873,8 +860,6 @@ class WsFwdSm90:
             )  # fmt: skip
             cute.arch.mbarrier_wait(mbar_Q, q_phase)
             q_phase = q_phase ^ 1
-            if const_expr(self.softcap_in_q):
-                self.scale_q(sQ, wg, tidx, softcap_scale)
             if n_max > n_min:
                 n_first = n_max - 1
                 n_masked_end = cutlass.min(n_unmasked, n_first)  # blocks [n_masked_end, n_first) need a mask
@@ -1015,24 +1000,6 @@ class WsFwdSm90:
         cute.arch.sync_warp()
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive(mbar_Q)
-
-    @cute.jit
-    def scale_q(self, sQ: cute.Tensor, wg: Int32, tidx: Int32, factor: Float32):
-        """`softcap_in_q`: this warpgroup's 64 rows of the tile's Q times `factor` in place (16-byte
-        pieces, rounded to Q's type), then visible to the tensor cores' (async proxy) reads and
-        done for the whole warpgroup before any of its GEMMs."""
-        vec = 8  # 16 bytes of fp16/bf16
-        per_row = self.head_dim // vec
-        lane = tidx % WARPGROUP
-        piece = cute.make_rmem_tensor((vec,), self.dtype)
-        for i in cutlass.range_constexpr(64 * per_row // WARPGROUP):
-            unit = lane + WARPGROUP * i
-            dst = cute.local_tile(sQ[64 * wg + unit // per_row, None], (vec,), (unit % per_row,))
-            cute.autovec_copy(dst, piece)
-            piece.store((piece.load().to(Float32) * factor).to(self.dtype))
-            cute.autovec_copy(piece, dst)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=BARRIER_Q_SCALED + wg, number_of_threads=WARPGROUP)
 
     @cute.jit
     def skip_empty(self, sched: TileScheduler, tile: Int32, cta: Int32, num_ctas: Int32, seqlens: tuple):

@@ -55,30 +55,21 @@ class Softmax:
     mma_rowsum: cutlass.Constexpr[bool] = False
     # softcap: softmax_scale / cap (runtime), None when off (then scale_log2 = cap * log2 e).
     softcap_scale: Float32 = None
-    # softcap with Q already multiplied by softmax_scale / cap (`sm90_ws.SOFTCAP_IN_Q`): S -> tanh(S).
-    softcap_prescaled: cutlass.Constexpr[bool] = False
 
     @staticmethod
     def create(
-        scale_log2: Float32,
-        rows: int,
-        mma_rowsum: bool = False,
-        softcap_scale: Float32 = None,
-        softcap_prescaled: bool = False,
+        scale_log2: Float32, rows: int, mma_rowsum: bool = False, softcap_scale: Float32 = None
     ) -> Softmax:
         """Statistics of `rows` rows per thread (registers, set by `reset`)."""
         row_max = cute.make_rmem_tensor((rows,), Float32)
         row_sum = cute.make_rmem_tensor((rows,), Float32)
-        return Softmax(scale_log2, row_max, row_sum, mma_rowsum, softcap_scale, softcap_prescaled)
+        return Softmax(scale_log2, row_max, row_sum, mma_rowsum, softcap_scale)
 
     @cute.jit
     def apply_softcap(self, acc_S: cute.Tensor):
         """softcap: S -> tanh(S * softmax_scale / cap) in place (before the mask: masked entries
         are set to -inf after it). Nothing without softcap."""
-        if const_expr(self.softcap_scale is not None and self.softcap_prescaled):
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                acc_S[i] = cute.math.tanh(acc_S[i], approx=True)
-        elif const_expr(self.softcap_scale is not None):
+        if const_expr(self.softcap_scale is not None):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[i] = cute.math.tanh(acc_S[i] * self.softcap_scale, approx=True)
 
