@@ -46,12 +46,10 @@ ON_OFF = (
     ("--dq-writer-plain", sm90_bwd, "DQ_WRITER_PLAIN", "not deterministic: dQ adds by the writer warp"),
     ("--dq-writer-plain-wide", sm90_bwd, "DQ_WRITER_PLAIN_WIDE", "the same in the wide kernel"),
     ("--wide-rotate", sm90_bwd, "WIDE_ROTATE", "deterministic: the wide kernel's rotated walk"),
-    ("--lse-registers-by-rows", sm90_bwd_ws, "LSE_REGISTERS_BY_ROWS", "d64's tile 128: LSE in registers"),
     ("--dq-store-first", sm90_bwd_ws, "DQ_STORE_FIRST", "deterministic: first turns store, dQacc unzeroed"),
 )
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),
-    ("--d-load", sm90_bwd_ws, "D_LOAD", ("after_exp", "before_dp", "before_s"), "where d128 reads D"),
 )
 
 

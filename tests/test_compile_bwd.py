@@ -490,21 +490,6 @@ def test_dq_writer_warps_compile():
     assert stack_bytes(two) <= stack_bytes(one)
 
 
-def test_lse_registers_by_rows_compile(monkeypatch):
-    # `sm90_bwd_ws.LSE_REGISTERS_BY_ROWS` (session 32's experiment, off): d64's tile 128 reads its
-    # 32 LSE values per thread into registers before the S^T GEMM instead of at each exponent.
-    # Another kernel, and no spill (the reason d64 read them at each use before).
-    from hopper_fmha.kernels import sm90_bwd_ws
-
-    key = ("bfloat16", 64, False, False, 2, True, False, False, False, False, False, 128, False, False, True)
-    monkeypatch.setattr(sm90_bwd_ws, "LSE_REGISTERS_BY_ROWS", False)
-    off = bwd_cubin(*key)
-    monkeypatch.setattr(sm90_bwd_ws, "LSE_REGISTERS_BY_ROWS", True)
-    on = bwd_cubin(*key)
-    assert sass_or_skip(on) != sass_or_skip(off)
-    assert stack_bytes(on) == stack_bytes(off) == 0
-
-
 @pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
 def test_dq_store_first_compiles(monkeypatch, fragments):
     # `sm90_bwd_ws.DQ_STORE_FIRST` (session 32's experiment, off): the writer warp's first turn of

@@ -122,17 +122,6 @@ DKV_TMA_TILES: tuple[int, ...] = (64, 80, 128)
 # also delays the exponentials. 754 d128 GPU tests passed with each of the two new places. Read when
 # a kernel is built, like `DKV_TMA_TILES`.
 LSE_LOAD = "before_s"
-# Experiment (session 32, not yet run on a GPU): d64's tile 128 (`dq_by_rows`) keeps its LSE in
-# registers too, read where `LSE_LOAD` says (D stays read from sD at each use); off, each exponent
-# reads its LSE from sLSE, behind the GEMMs' shared-memory reads.
-LSE_REGISTERS_BY_ROWS = False
-# Experiment (session 32, not yet run on a GPU): where the same kernels read their query columns'
-# D (with dO): "after_exp" (after P's exponentials, while dP^T may still run: fewer registers live
-# across the GEMMs' issue), "before_dp" (before the dP^T GEMM's issue, after dO's wait) or "before_s"
-# (beside the LSE, dO's wait moved before the S^T GEMM's issue). Why: `LSE_LOAD`'s gain (+7% at d128
-# causal) came from a load no longer issued behind a GEMM's shared-memory reads; D's is issued
-# behind both GEMMs'. Predicted: +1-3% at d128 causal for "before_s", less for "before_dp".
-D_LOAD = "after_exp"
 # Experiment (session 32, not yet run on a GPU): deterministic dQ without zeroing dQacc. With the
 # writer warp, without causal, window or varlen, every query block takes a turn from every key
 # block, so the first turn of each block (of each chain copy, `sm90_bwd.DQ_CHAINS`) writes its dQ
@@ -228,7 +217,6 @@ class BwdWsSm90(BwdSm90):
         )
         assert not rotate or (deterministic and not (causal or window_left or window_right)), "rotate"
         assert LSE_LOAD in ("before_s", "after_s", "after_dp"), f"LSE_LOAD {LSE_LOAD!r}"
-        assert D_LOAD in ("after_exp", "before_dp", "before_s"), f"D_LOAD {D_LOAD!r}"
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim  # (v's, dO's: `sm90_bwd_wide` has its own)
@@ -690,23 +678,17 @@ class BwdWsSm90(BwdSm90):
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
             acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
             pipe_q.consumer_wait(q_state)
-            # The block's LSE log2 e (from shared memory, with Q) and D (with dO), in registers,
-            # read where `LSE_LOAD` and `D_LOAD` say (softcap: where they are used,
-            # `capped_probabilities`); D "after_exp": in `probabilities`.
-            lse_log2, dsum = None, None
-            lse_in_registers = not self.softcap and (not self.dq_by_rows or LSE_REGISTERS_BY_ROWS)
+            # The block's LSE log2 e (from shared memory, with Q), in registers, read where
+            # `LSE_LOAD` says (softcap: where it is used, `capped_probabilities`; tile_m 128: at
+            # each use, `probabilities`); D (with dO): in `probabilities`.
+            lse_log2 = None
+            lse_in_registers = not self.softcap and not self.dq_by_rows
             if const_expr(lse_in_registers and LSE_LOAD == "before_s"):
                 lse_log2 = self.load_rows(tScS, sLSE, q_state.index)
-            if const_expr(lse_in_registers and D_LOAD == "before_s"):
-                pipe_do.consumer_wait(do_state)
-                dsum = self.load_rows(tScS, sD, do_state.index)
             gemm(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, q_state.index], zero_init=True, wg_wait=-1)
             if const_expr(lse_in_registers and LSE_LOAD == "after_s"):
                 lse_log2 = self.load_rows(tScS, sLSE, q_state.index)
-            if const_expr(not (lse_in_registers and D_LOAD == "before_s")):
-                pipe_do.consumer_wait(do_state)
-            if const_expr(lse_in_registers and D_LOAD == "before_dp"):
-                dsum = self.load_rows(tScS, sD, do_state.index)
+            pipe_do.consumer_wait(do_state)
             gemm(
                 tiled_mma_s, acc_dP, tPrV, tPrdO[None, None, None, do_state.index], zero_init=True, wg_wait=-1
             )
@@ -727,7 +709,7 @@ class BwdWsSm90(BwdSm90):
             else:
                 self.probabilities(
                     acc_S, acc_dP, tScS, lse_log2, sLSE, q_state.index, sD, do_state.index, mask, seqlen,
-                    m_block, n0, scale_log2, masked, dsum,
+                    m_block, n0, scale_log2, masked,
                 )  # fmt: skip
             rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
             convert(acc_S, rP)
@@ -830,13 +812,12 @@ class BwdWsSm90(BwdSm90):
     @cute.jit
     def probabilities(
         self, acc_S, acc_dP, tScS, lse_log2, sLSE, q_stage, sD, do_stage, mask, seqlen, m_block, n0,
-        scale_log2, masked, dsum=None,
+        scale_log2, masked,
     ):  # fmt: skip
         """P^T and dS^T in place of S^T and dP^T (waits for dP^T after P^T): P = exp2(S scale log2 e
         - LSE log2 e), 0 where masked; dS = P (dP - D). Columns are queries, rows keys. lse_log2:
         the columns' values in registers (`load_rows`), or None: each read from sLSE where it is
-        used, and D likewise (tile_m 128: 32 columns a thread, which held in registers spilled).
-        dsum: D's values read already (`D_LOAD`), or None."""
+        used, and D likewise (tile_m 128: 32 columns a thread, which held in registers spilled)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
         cols = cute.size(acc_S_mn, mode=[1])
@@ -870,8 +851,10 @@ class BwdWsSm90(BwdSm90):
                         acc_S_mn[r, c] * scale_log2 - self.column_value(lse_log2, sLSE, tScS, q_stage, c),
                         fastmath=True,
                     )
-        # D of the columns, unless read already: while dP^T may still run (`D_LOAD` "after_exp").
-        if const_expr(dsum is None and lse_log2 is not None and not self.dq_by_rows):
+        # D of the columns, read while dP^T may still run (not beside the LSE: fewer registers
+        # live across the GEMMs' issue).
+        dsum = None
+        if const_expr(lse_log2 is not None):
             dsum = self.load_rows(tScS, sD, do_stage)
         warpgroup.wait_group(0)  # dP^T done
         for c in cutlass.range_constexpr(cols):
