@@ -71,13 +71,15 @@ def dense_kernel(
     tile_m=64,
     dq_chains=1,
     stored=False,
+    block_keys=128,
 ):
     """A stand-in for a compiled backward kernel: the same 18 arguments, its part of the work
     done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks;
     the mask and softcap the compile key names, their sizes from the launch), written where the
     kernel writes; dQacc without the softmax scale where the key says so (`DQ_SCALE_AT_CAST`), in
     fragment order where it says so (`DQ_FRAGMENTS`); with `DQ_CHAINS` k > 1, dQacc holds k copies of
-    the padded rows, and key block n's part (128 keys) goes to copy n % k. stored
+    the padded rows, and key block n's part (`block_keys`: the kernel's keys per CTA, 128, or the
+    wide kernel's 48 or 96) goes to copy n % k. stored
     (`sm90_bwd_ws.store_first`): a copy some key block reaches is written whole (its padded rows
     too) before the adds, as the kernel's first turn stores."""
 
@@ -112,7 +114,7 @@ def dense_kernel(
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
         ds = p * (dp - delta.double()[..., None]) * dtanh
         for c in range(dq_chains):
-            keys = (torch.arange(k.shape[1]) // 128) % dq_chains == c  # copy c's key blocks
+            keys = (torch.arange(k.shape[1]) // block_keys) % dq_chains == c  # copy c's key blocks
             dq_part = torch.einsum("bhqk,bkhd->bqhd", ds * keys, kk) * (1.0 if dq_unscaled else scale)
             copy = dq_acc[:, c * pad : c * pad + q.shape[1]]
             if stored and keys.any():  # the first turn's store: all of the copy's padded rows
@@ -187,7 +189,7 @@ def kernels(monkeypatch):
         stored = sm90_bwd_ws.store_first(key[3], key[16], key[2] or any(key[7:9]), key[10])
         kernel = dense_kernel(
             launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11], dq_chains=key[17],
-            stored=stored,
+            stored=stored, block_keys=sm90_bwd.keys_per_cta(key[1], key[15]),
         )  # fmt: skip
         return binding_checked(key, kernel)
 
