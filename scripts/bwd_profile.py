@@ -9,6 +9,12 @@ runs one call only, for `ncu --kernel-name regex:BwdWsSm90`.
     python scripts/bwd_profile.py --d 128 --heads 16 --versions 2 --tile-m 64 80 --dkv-tma  # dK, dV stores
     python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide  # the wide kernel (past 128)
     python scripts/bwd_profile.py --d 192 --dv 128 --heads 16 --versions 2 --wide  # DeepSeek's shape
+    python scripts/bwd_profile.py --d 64 --heads 32 --ab dq-at-cast=off dq-at-cast=on --rounds 8
+
+`--ab` times settings of the switches below against each other in one process: each setting's
+kernels built into their own `sm90_bwd._compiled`, then timed in rounds whose order rotates, so
+that the clock's drift under the power cap falls on all of them alike (separate processes, one
+after another, differed by up to 6% for the same kernel: v30's `exp_after_mask.txt`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,59 @@ ON_OFF = (
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),
 )
+
+
+def switches() -> dict:
+    """`--ab`'s switches: flag (without --) -> (module, name, the values it takes)."""
+    table = {flag[2:]: (module, name, ("on", "off")) for flag, module, name, _ in ON_OFF}
+    table.update({flag[2:]: (module, name, choices) for flag, module, name, choices, _ in PLACES})
+    return table
+
+
+def parse_setting(text: str) -> list:
+    """One `--ab` setting, "flag=value[,flag=value...]" -> [(module, name, value)]."""
+    table, pairs = switches(), []
+    for part in text.split(","):
+        flag, _, value = part.partition("=")
+        if flag not in table:
+            raise SystemExit(f"--ab: unknown switch {flag!r}; known: {', '.join(sorted(table))}")
+        module, name, choices = table[flag]
+        if value not in choices:
+            raise SystemExit(f"--ab: {flag} takes {' / '.join(choices)}, not {value!r}")
+        pairs.append((module, name, value == "on" if choices == ("on", "off") else value))
+    return pairs
+
+
+def interleaved_ab(settings: list, call, time_fn, rounds: int) -> dict:
+    """settings: [(label, [(module, name, value)])]. Each setting's kernels are built (`call()`)
+    into a `sm90_bwd._compiled` of their own, with its switches set and the others as they were;
+    then `rounds` rounds time each setting once (`time_fn(call)`, ms), the order rotating by one
+    setting per round. Returns {label: [ms per round]}; the switches and `_compiled` are restored."""
+    saved = {(module, name): getattr(module, name) for _, pairs in settings for module, name, _ in pairs}
+    compiled, kernels = sm90_bwd._compiled, {}
+
+    def apply(label, pairs):
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+        for module, name, value in pairs:
+            setattr(module, name, value)
+        sm90_bwd._compiled = kernels.setdefault(label, {})
+
+    times = {label: [] for label, _ in settings}
+    try:
+        for label, pairs in settings:
+            apply(label, pairs)
+            call()
+        for r in range(rounds):
+            shift = r % len(settings)
+            for label, pairs in settings[shift:] + settings[:shift]:
+                apply(label, pairs)
+                times[label].append(time_fn(call))
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+        sm90_bwd._compiled = compiled
+    return times
 
 
 def inputs(args):
@@ -111,6 +170,14 @@ def main():
     )
     parser.add_argument("--ncu", action="store_true", help="one call, no timing (v2 at the first --tile-m)")
     parser.add_argument(
+        "--ab",
+        nargs="+",
+        metavar="FLAG=VALUE[,FLAG=VALUE]",
+        help="settings of the on/off and place switches above (flags without --), timed against "
+        "each other in interleaved rounds (v2, default tile)",
+    )
+    parser.add_argument("--rounds", type=int, default=8, help="--ab's rounds")
+    parser.add_argument(
         "--tile-m",
         type=int,
         nargs="+",
@@ -146,6 +213,20 @@ def main():
             q, k, v, out, dout, lse, scale, args.causal, deterministic=args.deterministic, version=version
         )
 
+    name = (
+        f"B{args.batch} N{args.seqlen} H{args.heads} d{args.d}{f'/{dv}' if dv != args.d else ''} {args.dtype}"
+    )
+    name += " causal" if args.causal else ""
+    name += " deterministic" if args.deterministic else ""
+    if args.ab:
+        times = interleaved_ab(
+            [(text, parse_setting(text)) for text in args.ab], lambda: call(2), time_ms, args.rounds
+        )
+        for label, ms in times.items():
+            med = sorted(ms)[len(ms) // 2]
+            rates = " ".join(f"{fmul / t / 1e9:.0f}" for t in ms)
+            print(f"{name} v2 [{label}]: median {med:.3f} ms, {fmul / med / 1e9:.1f} TFLOP/s; rounds {rates}")
+        return
     switch = "D128_TILE_M" if args.d == 128 else "D64_TILE_M"  # (the query tile of that head dim only)
     if args.ncu:  # the default kernel, or v2 at the first --tile-m
         if args.tile_m:
@@ -153,11 +234,6 @@ def main():
         call(None)
         torch.cuda.synchronize()
         return
-    name = (
-        f"B{args.batch} N{args.seqlen} H{args.heads} d{args.d}{f'/{dv}' if dv != args.d else ''} {args.dtype}"
-    )
-    name += " causal" if args.causal else ""
-    name += " deterministic" if args.deterministic else ""
     runs = [(version, 64) for version in args.versions if version == 1]
     default_tile = getattr(sm90_bwd, switch)
     runs += [(2, tile_m) for tile_m in args.tile_m or [default_tile] if 2 in args.versions]

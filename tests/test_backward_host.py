@@ -941,8 +941,7 @@ def test_varlen_head_dims(varlen_kernels, monkeypatch, d, dv, wide_on, kernel):
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
 
 
-def test_bwd_profile_probes_match_the_methods_they_replace():
-    # scripts/bwd_profile.py swaps kernel methods for no-ops: their parameters must stay the same.
+def load_bwd_profile():
     import importlib.util
     from pathlib import Path
 
@@ -950,10 +949,49 @@ def test_bwd_profile_probes_match_the_methods_they_replace():
     spec = importlib.util.spec_from_file_location("bwd_profile", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_bwd_profile_probes_match_the_methods_they_replace():
+    # scripts/bwd_profile.py swaps kernel methods for no-ops: their parameters must stay the same.
+    module = load_bwd_profile()
     for method, probe in module.PROBES.values():
         ours = inspect.signature(inspect.unwrap(probe)).parameters
         theirs = inspect.signature(inspect.unwrap(getattr(BwdWsSm90, method))).parameters
         assert list(ours) == list(theirs), method
+
+
+def test_bwd_profile_interleaved_ab(monkeypatch):
+    # `--ab`: each setting builds into a kernel dict of its own and is timed with its own switches
+    # (the others as they were), in rounds whose order rotates; afterwards all is as before.
+    profile = load_bwd_profile()
+    monkeypatch.setattr(sm90_bwd, "_compiled", {"before": 1})
+    monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", (64, 80))
+    monkeypatch.setattr(sm90_bwd_ws, "LSE_LOAD", "before_s")
+    settings = [
+        (text, profile.parse_setting(text)) for text in ("dq-at-cast=off", "dq-at-cast=on,lse-load=after_s")
+    ]
+    seen = []
+
+    def call():
+        state = (sm90_bwd.DQ_SCALE_AT_CAST, sm90_bwd_ws.LSE_LOAD)
+        sm90_bwd._compiled.setdefault("built", state)  # a kernel built under these switches
+        seen.append((state, sm90_bwd._compiled["built"]))
+
+    def time_fn(fn):
+        fn()
+        return {(False, "before_s"): 2.0, (True, "after_s"): 1.0}[seen[-1][0]]
+
+    times = profile.interleaved_ab(settings, call, time_fn, rounds=3)
+    assert times == {"dq-at-cast=off": [2.0] * 3, "dq-at-cast=on,lse-load=after_s": [1.0] * 3}
+    assert all(state == built for state, built in seen)  # each timed with the kernels of its setting
+    assert [state[0] for state, _ in seen] == [False, True, False, True, True, False, False, True]
+    assert sm90_bwd._compiled == {"before": 1}
+    assert (sm90_bwd.DQ_SCALE_AT_CAST, sm90_bwd_ws.LSE_LOAD) == ((64, 80), "before_s")
+    with pytest.raises(SystemExit, match="unknown switch"):
+        profile.parse_setting("no-such=on")
+    with pytest.raises(SystemExit, match="takes before_s / after_s / after_dp"):
+        profile.parse_setting("lse-load=later")
 
 
 def check_whole_query_blocks(kernels, d, sq, tile, padded, deterministic):
