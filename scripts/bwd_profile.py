@@ -56,6 +56,13 @@ ON_OFF = (
 )
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),
+    (
+        "--exp-early",
+        sm90_bwd_ws,
+        "EXP_EARLY",
+        tuple(sm90_bwd_ws.EXP_EARLY_SHARES),
+        "the share of P's exponentials before the wait for dP^T",
+    ),
 )
 
 

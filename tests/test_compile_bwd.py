@@ -510,3 +510,39 @@ def test_dq_store_first_compiles(monkeypatch, fragments):
         assert store not in off
     assert on.count(store) > off.count(store)
     assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])
+
+
+def mufu_after_dp_wait(text: str) -> int:
+    """MUFU.EX2 between the wait for dP^T (the `WARPGROUP.DEPBAR.LE gsb0, 0x0` with the most of
+    them before the next HGMMA) and that HGMMA."""
+    lines = text.splitlines()
+    counts = []
+    for i, line in enumerate(lines):
+        if "DEPBAR.LE gsb0, 0x0" in line:
+            n = 0
+            for after in lines[i + 1 :]:
+                if "HGMMA" in after:
+                    break
+                n += "MUFU.EX2" in after
+            counts.append(n)
+    return max(counts)
+
+
+@pytest.mark.parametrize("early", ["quarter", "none"])
+def test_exp_early_moves_exponentials_after_the_dp_wait(monkeypatch, early):
+    # `sm90_bwd_ws.EXP_EARLY` (session 33's experiment, "all" by default): at d64's tile 128 (32
+    # query columns a thread) "quarter" leaves 8 columns' exponentials (16 MUFUs) before the wait
+    # for dP^T, in each branch of the mask, and issues the other 48 after it, shared by both; "none"
+    # all 64 after it. ptxas keeps them there (at d128 it hoists some above the wait). No stack.
+    from hopper_fmha.kernels import sm90_bwd_ws
+
+    key = ("bfloat16", 64, False, False, 2, True, False, False, False, False, False, 128, False, False, True)
+    cubins = []
+    for setting in ("all", early):
+        monkeypatch.setattr(sm90_bwd_ws, "EXP_EARLY", setting)
+        cubins.append(bwd_cubin(*key))
+    off, on = (sass_or_skip(c) for c in cubins)
+    after = 48 if early == "quarter" else 64
+    assert mufu_after_dp_wait(off) == 0 and mufu_after_dp_wait(on) >= after - 1
+    assert off.count("MUFU.EX2") == 128 and on.count("MUFU.EX2") == 128 - 2 * 64 + 2 * (64 - after) + after
+    assert stack_bytes(cubins[0]) == stack_bytes(cubins[1]) == 0

@@ -122,6 +122,18 @@ DKV_TMA_TILES: tuple[int, ...] = (64, 80, 128)
 # also delays the exponentials. 754 d128 GPU tests passed with each of the two new places. Read when
 # a kernel is built, like `DKV_TMA_TILES`.
 LSE_LOAD = "before_s"
+# Experiment (session 33, not yet run on a GPU): how many of a consumer thread's query columns take
+# their exponentials before the wait for dP^T ("all": as before; "half", "quarter", "none"), without
+# softcap. The other columns get S scale log2 e - LSE log2 e (-inf where masked) before the wait,
+# in place, and their exponentials after it, each column's just before its dS, in one basic block,
+# so that ptxas can interleave the MUFUs with dS's arithmetic, packing and stores. Why: v33's ncu of
+# d64 (`bench/results/2026-11-28-h200-v33/probes/ncu-d64.txt`) puts 82 k stall samples between the
+# S^T and dP^T waits in ours (the 64 exponentials, ~40 of them back to back) against FA4's 31 k;
+# FA4 issues 12 of 64 before the wait and the rest after it, among dS's instructions. (Session 30's
+# EXP_AFTER_MASK let ptxas choose and measured nothing beyond its A/B's noise.) Predicted +2-4% at
+# d64, less at d128. Read when a kernel is built.
+EXP_EARLY = "all"
+EXP_EARLY_SHARES = {"all": 1.0, "half": 0.5, "quarter": 0.25, "none": 0.0}
 # Experiment (session 32, not yet run on a GPU): deterministic dQ without zeroing dQacc. With the
 # writer warp, without causal, window or varlen, every query block takes a turn from every key
 # block, so the first turn of each block (of each chain copy, `sm90_bwd.DQ_CHAINS`) writes its dQ
@@ -217,6 +229,7 @@ class BwdWsSm90(BwdSm90):
         )
         assert not rotate or (deterministic and not (causal or window_left or window_right)), "rotate"
         assert LSE_LOAD in ("before_s", "after_s", "after_dp"), f"LSE_LOAD {LSE_LOAD!r}"
+        assert EXP_EARLY in EXP_EARLY_SHARES, f"EXP_EARLY {EXP_EARLY!r}"
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim  # (v's, dO's: `sm90_bwd_wide` has its own)
@@ -822,6 +835,8 @@ class BwdWsSm90(BwdSm90):
         acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
         cols = cute.size(acc_S_mn, mode=[1])
         rows = cute.size(acc_S_mn, mode=[0])
+        # Columns [0, early) exponentiated here, the rest after the wait for dP^T (`EXP_EARLY`).
+        early = round(cols * EXP_EARLY_SHARES[EXP_EARLY])
 
         if masked:
             m0 = m_block * self.tile_m
@@ -830,26 +845,24 @@ class BwdWsSm90(BwdSm90):
                 start, limit = mask.key_bounds(m0 + tScS[0, c][1], seqlen)
                 for r in cutlass.range_constexpr(rows):
                     p = Float32(0.0)
+                    if const_expr(c >= early):  # (its exponential comes after the wait)
+                        p = Float32(-float("inf"))
                     key = n0 + tScS[r, c][0]
                     if const_expr(self.window_left):
                         if key < limit and key >= start:
-                            p = cute.math.exp2(
-                                acc_S_mn[r, c] * scale_log2
-                                - self.column_value(lse_log2, sLSE, tScS, q_stage, c),
-                                fastmath=True,
+                            p = self.exponent(
+                                acc_S_mn[r, c], lse_log2, sLSE, tScS, q_stage, c, scale_log2, c < early
                             )
                     elif key < limit:
-                        p = cute.math.exp2(
-                            acc_S_mn[r, c] * scale_log2 - self.column_value(lse_log2, sLSE, tScS, q_stage, c),
-                            fastmath=True,
+                        p = self.exponent(
+                            acc_S_mn[r, c], lse_log2, sLSE, tScS, q_stage, c, scale_log2, c < early
                         )
                     acc_S_mn[r, c] = p
         else:
             for c in cutlass.range_constexpr(cols):
                 for r in cutlass.range_constexpr(rows):
-                    acc_S_mn[r, c] = cute.math.exp2(
-                        acc_S_mn[r, c] * scale_log2 - self.column_value(lse_log2, sLSE, tScS, q_stage, c),
-                        fastmath=True,
+                    acc_S_mn[r, c] = self.exponent(
+                        acc_S_mn[r, c], lse_log2, sLSE, tScS, q_stage, c, scale_log2, c < early
                     )
         # D of the columns, read while dP^T may still run (not beside the LSE: fewer registers
         # live across the GEMMs' issue).
@@ -860,7 +873,15 @@ class BwdWsSm90(BwdSm90):
         for c in cutlass.range_constexpr(cols):
             d_c = self.column_value(dsum, sD, tScS, do_stage, c)
             for r in cutlass.range_constexpr(rows):
+                if const_expr(c >= early):
+                    acc_S_mn[r, c] = cute.math.exp2(acc_S_mn[r, c], fastmath=True)
                 acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - d_c)
+
+    def exponent(self, s, lse_log2, sLSE, tScS, q_stage, c: int, scale_log2, exponentiate: bool):
+        """S scale log2 e - LSE log2 e of query column c, exponentiated (P) where `exponentiate`
+        (traced inline)."""
+        x = s * scale_log2 - self.column_value(lse_log2, sLSE, tScS, q_stage, c)
+        return cute.math.exp2(x, fastmath=True) if exponentiate else x
 
     def column_value(self, values, sRows, tScS, stage, c: int):
         """Column c's LSE log2 e or D: from `values` (registers, `load_rows`) or, where that is
