@@ -134,7 +134,7 @@ LSE_LOAD = "before_s"
 # d64, less at d128. Read when a kernel is built.
 EXP_EARLY = "all"
 EXP_EARLY_SHARES = {"all": 1.0, "half": 0.5, "quarter": 0.25, "none": 0.0}
-# Experiment (session 32, not yet run on a GPU): deterministic dQ without zeroing dQacc. With the
+# Deterministic dQ without zeroing dQacc (session 32's experiment, on since v33). With the
 # writer warp, without causal, window or varlen, every query block takes a turn from every key
 # block, so the first turn of each block (of each chain copy, `sm90_bwd.DQ_CHAINS`) writes its dQ
 # with a TMA store (fragment order: a 1-D bulk copy) instead of a reduce-add, and the host
