@@ -20,6 +20,7 @@ after another, differed by up to 6% for the same kernel: v30's `exp_after_mask.t
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import cutlass
 import cutlass.cute as cute
@@ -67,10 +68,15 @@ PLACES = (
 
 
 def switches() -> dict:
-    """`--ab`'s switches: flag (without --) -> (module, name, the values it takes)."""
+    """The on/off and place switches: flag (without --) -> (module, name, the values it takes)."""
     table = {flag[2:]: (module, name, ("on", "off")) for flag, module, name, _ in ON_OFF}
     table.update({flag[2:]: (module, name, choices) for flag, module, name, choices, _ in PLACES})
     return table
+
+
+def switch_value(choices: tuple, value: str):
+    """A switch's module value for its flag's `value`: True / False for "on" / "off", else the name."""
+    return value == "on" if choices == ("on", "off") else value
 
 
 def parse_setting(text: str) -> list:
@@ -83,7 +89,7 @@ def parse_setting(text: str) -> list:
         module, name, choices = table[flag]
         if value not in choices:
             raise SystemExit(f"--ab: {flag} takes {' / '.join(choices)}, not {value!r}")
-        pairs.append((module, name, value == "on" if choices == ("on", "off") else value))
+        pairs.append((module, name, switch_value(choices, value)))
     return pairs
 
 
@@ -195,12 +201,9 @@ def main():
     args = parser.parse_args()
     if args.dkv_tma is not None:
         sm90_bwd_ws.DKV_TMA_TILES = tuple(args.dkv_tma)
-    for flag, module, name, *_ in ON_OFF:
-        if (value := getattr(args, flag[2:].replace("-", "_"))) is not None:
-            setattr(module, name, value == "on")
-    for flag, module, name, *_ in PLACES:
-        if (value := getattr(args, flag[2:].replace("-", "_"))) is not None:
-            setattr(module, name, value)
+    for flag, (module, name, choices) in switches().items():
+        if (value := getattr(args, flag.replace("-", "_"))) is not None:
+            setattr(module, name, switch_value(choices, value))
     if args.writer_warps is not None:
         sm90_bwd.DQ_WRITER_WARPS = args.writer_warps
     if args.dq_chains is not None:
@@ -230,7 +233,7 @@ def main():
             [(text, parse_setting(text)) for text in args.ab], lambda: call(2), time_ms, args.rounds
         )
         for label, ms in times.items():
-            med = sorted(ms)[len(ms) // 2]
+            med = statistics.median(ms)
             rates = " ".join(f"{fmul / t / 1e9:.0f}" for t in ms)
             print(f"{name} v2 [{label}]: median {med:.3f} ms, {fmul / med / 1e9:.1f} TFLOP/s; rounds {rates}")
         return
