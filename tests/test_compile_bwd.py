@@ -528,21 +528,23 @@ def mufu_after_dp_wait(text: str) -> int:
     return max(counts)
 
 
-@pytest.mark.parametrize("early", ["quarter", "none"])
+@pytest.mark.parametrize("early", [None, "quarter"])
 def test_exp_early_moves_exponentials_after_the_dp_wait(monkeypatch, early):
-    # `sm90_bwd_ws.EXP_EARLY` (session 33's experiment, "all" by default): at d64's tile 128 (32
-    # query columns a thread) "quarter" leaves 8 columns' exponentials (16 MUFUs) before the wait
-    # for dP^T, in each branch of the mask, and issues the other 48 after it, shared by both; "none"
-    # all 64 after it. ptxas keeps them there (at d128 it hoists some above the wait). No stack.
+    # `sm90_bwd_ws.EXP_EARLY`: at d64's tile 128 (32 query columns a thread) the default (None:
+    # `EXP_EARLY_BY_TILE`, "half" there, v34) leaves 16 columns' exponentials (32 MUFUs) before the
+    # wait for dP^T, in each branch of the mask, and issues the other 32 after it, shared by both;
+    # "quarter" leaves 8 columns (16 MUFUs) and issues 48 after it. ptxas keeps them there (at d128
+    # it hoists some above the wait). "all" issues every one before the wait. No stack.
     from hopper_fmha.kernels import sm90_bwd_ws
 
+    assert sm90_bwd_ws.EXP_EARLY is None and sm90_bwd_ws.EXP_EARLY_BY_TILE.get(128) == "half"
     key = ("bfloat16", 64, False, False, 2, True, False, False, False, False, False, 128, False, False, True)
     cubins = []
     for setting in ("all", early):
         monkeypatch.setattr(sm90_bwd_ws, "EXP_EARLY", setting)
         cubins.append(bwd_cubin(*key))
     off, on = (sass_or_skip(c) for c in cubins)
-    after = 48 if early == "quarter" else 64
+    after = 48 if early == "quarter" else 32
     assert mufu_after_dp_wait(off) == 0 and mufu_after_dp_wait(on) >= after - 1
     assert off.count("MUFU.EX2") == 128 and on.count("MUFU.EX2") == 128 - 2 * 64 + 2 * (64 - after) + after
     assert stack_bytes(cubins[0]) == stack_bytes(cubins[1]) == 0

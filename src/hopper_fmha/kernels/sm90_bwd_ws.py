@@ -122,17 +122,22 @@ DKV_TMA_TILES: tuple[int, ...] = (64, 80, 128)
 # also delays the exponentials. 754 d128 GPU tests passed with each of the two new places. Read when
 # a kernel is built, like `DKV_TMA_TILES`.
 LSE_LOAD = "before_s"
-# Experiment (session 33, not yet run on a GPU): how many of a consumer thread's query columns take
-# their exponentials before the wait for dP^T ("all": as before; "half", "quarter", "none"), without
-# softcap. The other columns get S scale log2 e - LSE log2 e (-inf where masked) before the wait,
-# in place, and their exponentials after it, each column's just before its dS, in one basic block,
-# so that ptxas can interleave the MUFUs with dS's arithmetic, packing and stores. Why: v33's ncu of
-# d64 (`bench/results/2026-11-28-h200-v33/probes/ncu-d64.txt`) puts 82 k stall samples between the
-# S^T and dP^T waits in ours (the 64 exponentials, ~40 of them back to back) against FA4's 31 k;
-# FA4 issues 12 of 64 before the wait and the rest after it, among dS's instructions. (Session 30's
-# EXP_AFTER_MASK let ptxas choose and measured nothing beyond its A/B's noise.) Predicted +2-4% at
-# d64, less at d128. Read when a kernel is built.
-EXP_EARLY = "all"
+# How many of a consumer thread's query columns take their exponentials before the wait for dP^T
+# ("all", "half", "quarter", "none"), without softcap. The other columns get S scale log2 e - LSE
+# log2 e (-inf where masked) before the wait, in place, and their exponentials after it, each
+# column's just before its dS, in one basic block, so that ptxas can interleave the MUFUs with dS's
+# arithmetic, packing and stores. Why: v33's ncu of d64 (`ncu-d64.txt` in
+# `bench/results/2026-11-28-h200-v33/probes/`) put 82 k stall samples between the S^T and dP^T
+# waits in ours (the 64 exponentials, ~40 of them back to back) against FA4's 31 k; FA4 issues 12
+# of 64 before the wait and the rest among dS's instructions. Predicted +2-4% at d64, less at d128.
+# v34 (H200, bf16 B4 N4096, `bwd_profile --ab`, 8 rounds, TFLOP/s all / half / quarter / none):
+# d64 (tile 128) 439 / 471 / 467 / 470, causal 384 / 412 / 412 / 400; d128 (tile 80) 528 / 528 /
+# 518 / 514, causal (tile 64) 459 / 453 / 448 / 429. So "half" at tile 128, "all" elsewhere
+# (`EXP_EARLY_BY_TILE`, query tile -> setting; "all" where absent); EXP_EARLY, where not None,
+# overrides it for every tile (measurements, tests). 1796 d64/d128 GPU tests passed at "half" for
+# every tile. Read when a kernel is built.
+EXP_EARLY = None
+EXP_EARLY_BY_TILE = {128: "half"}
 EXP_EARLY_SHARES = {"all": 1.0, "half": 0.5, "quarter": 0.25, "none": 0.0}
 # Deterministic dQ without zeroing dQacc (session 32's experiment, on since v33). With the
 # writer warp, without causal, window or varlen, every query block takes a turn from every key
@@ -229,7 +234,7 @@ class BwdWsSm90(BwdSm90):
         )
         assert not rotate or (deterministic and not (causal or window_left or window_right)), "rotate"
         assert LSE_LOAD in ("before_s", "after_s", "after_dp"), f"LSE_LOAD {LSE_LOAD!r}"
-        assert EXP_EARLY in EXP_EARLY_SHARES, f"EXP_EARLY {EXP_EARLY!r}"
+        assert EXP_EARLY is None or EXP_EARLY in EXP_EARLY_SHARES, f"EXP_EARLY {EXP_EARLY!r}"
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim  # (v's, dO's: `sm90_bwd_wide` has its own)
@@ -836,7 +841,8 @@ class BwdWsSm90(BwdSm90):
         cols = cute.size(acc_S_mn, mode=[1])
         rows = cute.size(acc_S_mn, mode=[0])
         # Columns [0, early) exponentiated here, the rest after the wait for dP^T (`EXP_EARLY`).
-        early = round(cols * EXP_EARLY_SHARES[EXP_EARLY])
+        setting = EXP_EARLY if EXP_EARLY is not None else EXP_EARLY_BY_TILE.get(self.tile_m, "all")
+        early = round(cols * EXP_EARLY_SHARES[setting])
 
         if masked:
             m0 = m_block * self.tile_m
