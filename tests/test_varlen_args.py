@@ -246,6 +246,13 @@ def test_values_checkable_in_eager():
     assert varlen_values_checkable()
 
 
+def test_values_not_checkable_when_the_environment_says_so(monkeypatch):
+    monkeypatch.setenv("HOPPER_FMHA_CHECK_VALUES", "0")
+    assert not varlen_values_checkable()
+    monkeypatch.setenv("HOPPER_FMHA_CHECK_VALUES", "1")
+    assert varlen_values_checkable()
+
+
 def test_values_not_checkable_under_compile(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not varlen_values_checkable()

@@ -152,7 +152,8 @@ def flash_attn_varlen_func(
         lse is (heads, total_q) float32. Rows that see no key: out 0, lse -inf (or the sink).
 
     The values of cu_seqlens and seqused_k are checked with one device-to-host copy, except under
-    CUDA graph capture or torch.compile (`varlen_args.varlen_values_checkable`).
+    CUDA graph capture or torch.compile, or with HOPPER_FMHA_CHECK_VALUES=0 in the environment
+    (`varlen_args.varlen_values_checkable`).
     """
     shape = varlen_args.check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
@@ -242,8 +243,9 @@ def flash_attn_with_kvcache(
     Returns out (batch, seqlen_q, heads, head_dim_v), and with return_lse (out, lse) with lse
     (batch, heads, seqlen_q) float32.
 
-    The values of a cache_seqlens tensor are checked with one device-to-host copy, except under
-    CUDA graph capture (`kvcache_args`). Nothing is written to the cache when a call is rejected.
+    The values of a cache_seqlens tensor and of page_table are checked with one device-to-host copy,
+    except under CUDA graph capture or torch.compile, or with HOPPER_FMHA_CHECK_VALUES=0 in the
+    environment (`kvcache_args`). Nothing is written to the cache when a call is rejected.
     Under torch.compile the call runs eagerly (a graph break).
     """
     shape = kvcache_args.check_kvcache(

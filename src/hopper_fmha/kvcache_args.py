@@ -15,9 +15,9 @@ The layouts (the semantics are `hopper_fmha.reference_kvcache`'s):
 int cache_seqlens (it lives on the host), and, with check_values, the values that live on the device
 (a cache_seqlens tensor, the page table) in ONE device-to-host copy. That copy is impossible while a
 CUDA graph is being captured and breaks the graph under torch.compile, so the caller passes
-`hopper_fmha.varlen_args.varlen_values_checkable()` as check_values: under capture or compile the
-device values are NOT checked, and `append_kv` and the kernel must stay inside the cache whatever
-they hold.
+`hopper_fmha.varlen_args.varlen_values_checkable()` as check_values: under capture or compile (or
+with HOPPER_FMHA_CHECK_VALUES=0 in the environment) the device values are NOT checked, and
+`append_kv` and the kernel must stay inside the cache whatever they hold.
 
 `append_kv` writes the new tokens into the cache in place with device ops only (no host copy, no
 sync: it can be captured in a CUDA graph).
