@@ -13,6 +13,9 @@
 # bench/results/2026-11-28-h200-v34) at c9208e4, e.g.
 # `git show f2b28ef:scripts/gpu_pending.sh`.
 # Each results README names its files' parts.
+#   26 sm90_bwd.DQ_UNFRAGMENT_KERNEL (session 34, not yet run): its tests (the kernel against
+#      torch's un-permute, the backward with it), then `bwd_profile --ab` at d64, d64 causal (off /
+#      on) and d128 causal (default / fragments + writer + kernel at tile 64), ~6 min
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -28,5 +31,17 @@ tier() {  # name, budget (s), -k expression, test files...: true when nothing fa
     grep -h "^FAILED" /tmp/pending-"$name"/report*.txt | head -10
     grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/$name.log")
 }
+
+if [ "$part" = 26 ]; then
+    tier tier26 150 "unfragment" tests/test_gpu_backward.py
+    for args in "--d 64 --heads 32" "--d 64 --heads 32 --causal"; do
+        timeout 120 python scripts/bwd_profile.py $args --rounds 8 --ab dq-unfragment=off dq-unfragment=on \
+            2>&1 | grep TFLOP
+    done | tee "$OUT/unfragment.txt"
+    timeout 150 python scripts/bwd_profile.py --d 128 --heads 16 --causal --rounds 8 --ab dq-unfragment=off \
+        dq-fragments=on,dq-writer-plain=on,dq-unfragment=on dq-fragments=on,dq-unfragment=on 2>&1 \
+        | grep TFLOP | tee -a "$OUT/unfragment.txt"
+    exit 0
+fi
 
 echo "no pending part $part"

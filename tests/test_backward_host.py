@@ -309,6 +309,22 @@ def test_fragment_order_round_trip(tile, d):
     assert torch.equal(scaled, (dense[:, : rows - 9] * 0.5).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("tile, d", [(128, 64), (64, 128), (64, 64), (128, 128)])
+def test_dq_unfragment_places(tile, d):
+    # `dq_unfragment.unit_place`, the postprocess kernel's map (unit u: floats 4 u .. 4 u + 3 of
+    # the fragment-ordered buffer -> its two pairs of dQ), against `fragment_index`, derived from
+    # the main kernel's side: every float of two blocks lands where the main kernel put it.
+    from hopper_fmha.kernels.dq_unfragment import unit_place
+
+    rows = 2 * tile
+    index = fragment_index(rows, tile, d)  # (row, col) -> flat index in one head's buffer
+    for u in range(rows * d // 4):
+        block, row, col = unit_place(u, tile, d)
+        for h2 in range(2):
+            for e in range(2):
+                assert index[block * tile + row + 8 * h2, col + e] == 4 * u + 2 * h2 + e
+
+
 @pytest.mark.parametrize("unscaled", [False, True], ids=["scaled", "unscaled"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
@@ -1181,6 +1197,55 @@ def test_varlen_dq_gather_kernel(varlen_kernels, monkeypatch, unscaled):
     monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_GATHER", True)
     after = sm90_bwd.backward_varlen(*args)
     assert calls == [64**-0.5 if unscaled else 1.0]
+    for a, b in zip(before, after, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("unscaled", [False, True], ids=["scaled", "unscaled"])
+@pytest.mark.parametrize("d, causal, tile", [(64, False, T64), (128, True, 64), (64, True, T64)])
+def test_dq_unfragment_kernel_host(kernels, monkeypatch, d, causal, tile, unscaled):
+    """`DQ_UNFRAGMENT_KERNEL`: with fragments on, dq from `dq_unfragment`'s kernel (here a torch
+    stand-in behind its binding's checks that places each unit by `unit_place`, the kernel's map)
+    equals torch's un-permute bit for bit; tails included (sq 9 of a 64- or 128-row block)."""
+    from hopper_fmha.kernels import dq_unfragment
+
+    calls = []
+
+    def compile_dq_unfragment(dtype_name, head_dim, tile_m):
+        fake = dq_unfragment.fake_arguments(dtype_name, head_dim)
+        per_block = tile_m * head_dim // 4
+        places = [dq_unfragment.unit_place(u, tile_m, head_dim) for u in range(per_block)]
+        rows = torch.tensor([r for _, r, _ in places])
+        cols = torch.tensor([c for _, _, c in places])
+
+        def run(acc, dq, scale):
+            assert_binds(fake[:2], (acc, dq), "dq_unfragment")
+            calls.append((tile_m, scale))
+            b, sq, h, _ = dq.shape
+            units = acc.view(b, h, -1, per_block, 2, 2)  # (b, h, block, unit, h2, e)
+            full = torch.zeros(b, units.shape[2] * tile_m, h, head_dim)
+            for h2 in range(2):
+                for e in range(2):
+                    r = (torch.arange(units.shape[2])[:, None] * tile_m + rows + 8 * h2).reshape(-1)
+                    full[:, r, :, (cols + e).repeat(units.shape[2])] = (
+                        units[..., h2, e].reshape(b, h, -1).permute(2, 0, 1)  # (the indexed mode first)
+                    )
+            dq.copy_((full[:, :sq] * scale).to(dq.dtype))
+
+        return run
+
+    monkeypatch.setattr(dq_unfragment, "_compiled", {})
+    monkeypatch.setattr(dq_unfragment, "compile_dq_unfragment", compile_dq_unfragment)
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", True)
+    monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", unscaled)
+    q, k, v, out, dout, lse = inputs(d=d)
+    args = (q, k, v, out, dout, lse, d**-0.5, causal)
+    assert sm90_bwd.query_tile(2, d, masked=causal) == tile
+    before = sm90_bwd.backward(*args, version=2)
+    assert not calls
+    monkeypatch.setattr(sm90_bwd, "DQ_UNFRAGMENT_KERNEL", True)
+    after = sm90_bwd.backward(*args, version=2)
+    assert calls == [(tile, d**-0.5 if unscaled else 1.0)]
     for a, b in zip(before, after, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
 

@@ -548,3 +548,25 @@ def test_exp_early_moves_exponentials_after_the_dp_wait(monkeypatch, early):
     assert mufu_after_dp_wait(off) == 0 and mufu_after_dp_wait(on) >= after - 1
     assert off.count("MUFU.EX2") == 128 and on.count("MUFU.EX2") == 128 - 2 * 64 + 2 * (64 - after) + after
     assert stack_bytes(cubins[0]) == stack_bytes(cubins[1]) == 0
+
+
+@pytest.mark.parametrize(
+    "dtype, d, tile", [("bfloat16", 64, 128), ("float16", 128, 64), ("bfloat16", 64, 64)]
+)
+def test_dq_unfragment_kernel_compiles(dtype, d, tile):
+    # `dq_unfragment` (`sm90_bwd.DQ_UNFRAGMENT_KERNEL`): each thread's loads first, one 16-byte
+    # load per 512-float chunk of the block (tile * d / 512 of them), then two 4-byte stores per
+    # chunk; no stack, few registers.
+    from hopper_fmha.kernels.dq_unfragment import compile_dq_unfragment
+
+    with tempfile.TemporaryDirectory() as dump:
+        cubin = compile_dq_unfragment(
+            dtype, d, tile, options=f"--keep-cubin --dump-dir={dump}"
+        ).artifacts.CUBIN
+    text = sass_or_skip(cubin)
+    chunks = tile * d // 512
+    assert text.count("LDG.E.128") == chunks and text.count("STG.E ") == 2 * chunks
+    first_store = text.index("STG.E ")
+    assert text.rfind("LDG.E.128", 0, first_store) == text.rfind("LDG.E.128")  # loads before stores
+    res = kernel_resources(cubin)
+    assert res["stack_bytes"] == 0 and res["registers"] <= 128

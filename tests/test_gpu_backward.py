@@ -424,6 +424,43 @@ def test_dq_fragments(hopper_gpu, monkeypatch, dtype, tile, heads, seqlens, unsc
     test_backward_matches_reference(hopper_gpu, 2, dtype, d, causal, seqlens, heads)
 
 
+@pytest.mark.parametrize("seqlen", [1, 63, 64, 300, 1024])
+@pytest.mark.parametrize("tile_m, d", [(128, 64), (64, 64), (64, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_dq_unfragment_kernel_matches_torch(hopper_gpu, monkeypatch, dtype, tile_m, d, seqlen):
+    # `sm90_bwd.DQ_UNFRAGMENT_KERNEL`'s kernel (`dq_unfragment`) against torch's permuted pass on
+    # one random fragment-ordered buffer: the same values (one rounding of acc * scale), every
+    # row including the last block's partial one.
+    from hopper_fmha.kernels import sm90_bwd
+    from hopper_fmha.kernels.dq_unfragment import unfragment_dq
+
+    monkeypatch.setattr(sm90_bwd, "DQ_UNFRAGMENT_KERNEL", False)  # (torch's pass as the reference)
+    blocks = -(-seqlen // tile_m)
+    g = torch.Generator(device="cuda").manual_seed(seqlen + d)
+    buf = torch.randn(3, 5, blocks * tile_m, d, device="cuda", generator=g)
+    for scale in (None, 0.125, 0.3):
+        ours = unfragment_dq(buf, seqlen, dtype, scale, tile_m)
+        ref = sm90_bwd.dq_from_fragments(buf, seqlen, dtype, scale, tile_m)
+        assert ours.shape == ref.shape == (3, seqlen, 5, d) and ours.is_contiguous()
+        assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("seqlens", [(3, 3), (239, 1), (1023, 1024)], ids=["3x3", "239x1", "1023x1024"])
+@pytest.mark.parametrize("tile", ["d128-causal-tile64", "d64-tile128"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_dq_unfragment_kernel_backward(hopper_gpu, monkeypatch, dtype, tile, seqlens):
+    # The backward with dQ put in order by the kernel (`DQ_UNFRAGMENT_KERNEL`), fragments on at
+    # both tiles, dQ's scale at the cast (the kernel applies it) and not.
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "DQ_UNFRAGMENT_KERNEL", True)
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", True)
+    d, causal, _ = FRAGMENT_TILES[tile]
+    for unscaled in (False, True):
+        monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", unscaled)
+        test_backward_matches_reference(hopper_gpu, 2, dtype, d, causal, seqlens, "gqa")
+
+
 @pytest.mark.parametrize("seqlens", [(113, 203), (1023, 1024)], ids=["113x203", "1023x1024"])
 @pytest.mark.parametrize("feature", ["both", "softcap-causal", "all"])
 @pytest.mark.parametrize("d", [64, 128])

@@ -673,6 +673,16 @@ def fragment_dims(tile_m: int, head_dim: int):
     return head_dim // 16, (4, 2, 8), (2, head_dim // 16, 4, 2), (0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
 
 
+# `dq_from_fragments` by a kernel of its own (`dq_unfragment`, tiles 64 and 128) instead of torch's
+# strided elementwise pass, which took 0.159 ms of d64's 2.95 ms backward (B4 N4096 H32 bf16) and
+# 0.208 ms at d128 causal tile 64 with DQ_FRAGMENTS there, against 0.066 ms for the plain cast of
+# the same bytes (H200, session 34, `bwd_profile`; FA4's postprocess ~0.045 ms). Predicted: d64
+# +3%, and DQ_FRAGMENTS with DQ_WRITER_PLAIN at tile 64 (its main kernel 1.196 vs 1.247 ms) then
+# ~+3% at d128 causal. Built in session 34 (SASS: 16 LDG.128 and 32 STG.32 per thread at d64,
+# 360 instructions, no stack); off until it has run on a GPU.
+DQ_UNFRAGMENT_KERNEL = False
+
+
 def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: int):
     """dQ (b, s_q, h, d) in `dtype`, contiguous, from the fragment-ordered fp32 dQacc `buf`
     (b, h, blocks * tile_m, d) (`fragment_dims`), times `scale` where given: one elementwise pass
@@ -682,6 +692,15 @@ def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: in
 
     b, h, rows, d = buf.shape
     assert rows % tile_m == 0 and rows - tile_m < seqlen_q <= rows
+    if (
+        DQ_UNFRAGMENT_KERNEL
+        and tile_m in (TILE, 2 * TILE)
+        and d % 16 == 0
+        and buf.is_contiguous()
+    ):
+        from .dq_unfragment import unfragment_dq
+
+        return unfragment_dq(buf, seqlen_q, dtype, scale, tile_m)
     j, query_dims, d_dims, perm = fragment_dims(tile_m, d)
     src = buf.view(b, h, rows // tile_m, 2, j, 4, 8, 4, 2, 2).permute(*perm)
 

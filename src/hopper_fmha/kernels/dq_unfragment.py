@@ -1,0 +1,178 @@
+"""The dense backward's last step with `sm90_bwd.DQ_FRAGMENTS`: dQ in order, scaled and cast to
+16 bits, from the fp32 accumulator that the main kernel adds in its fragment order.
+
+`sm90_bwd.dq_from_fragments` does this with one torch elementwise pass from a permuted view of the
+accumulator. Torch runs that pass with its general strided kernel: 0.159 ms at d64 (B4 N4096 H32
+bf16, 2.95 ms in all) and 0.208 ms at d128 causal tile 64 with the scale, against 0.066 ms for the
+plain contiguous scale-and-cast of the same bytes (H200, session 34, `bwd_profile`). This kernel
+reads the accumulator in its own order, 16 bytes a thread, every warp one contiguous 512-byte run,
+and writes each thread's four values as two 4-byte pairs of dQ.
+
+The fragment order (`sm90_bwd.fragment_dims`; `unit_place` below): per (batch, head) the
+accumulator holds whole blocks of tile_m queries x d; a block holds, per warpgroup wg and j < J,
+the 128 threads' 4 accumulator values, value 4 j + 2 h2 + e of thread 32 warp + lane at GEMM row
+16 warp + 8 h2 + lane // 4 and column 8 j + 2 (lane % 4) + e. Tile 128: rows are the block's
+queries 64 wg + ..., columns d (J = d / 8). Tile 64: rows are the queries, columns d / 2 wg + ...
+(J = d / 16). (Tile 80 holds dQ transposed; it stays with torch.)
+
+Memory-bound, no TMA, no shared memory: a CTA per (batch, head, block), its thread t taking
+floats 4 t .. 4 t + 3 of each of the block's 512-float chunks, whose place in dQ is a compile-time
+offset plus the thread's own. Compile-time: dtype, head_dim, tile_m; batch, heads, blocks and
+seqlen_q are runtime values (rows past seqlen_q, the last block's padding, are not written).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int64, const_expr
+
+from .cache import load_or_compile
+
+_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+TILES = (64, 128)
+THREADS = 128
+
+
+def thread_place(thread):
+    """(GEMM row of its h2 = 0 values, GEMM column of its e = 0 values within an 8-column group) of
+    a warpgroup thread's accumulator values (SM90's accumulator layout)."""
+    warp, lane = thread // 32, thread % 32
+    return 16 * warp + lane // 4, 2 * (lane % 4)
+
+
+def chunk_place(chunk: int, tile_m: int, head_dim: int) -> tuple[int, int]:
+    """(row, column) offsets in dQ's block of a block's chunk (warpgroup wg, j): 128 threads' 4
+    values, 512 floats. Tile 128: rows 64 wg + ..., columns 8 j + ...; tile 64: rows as the GEMM's,
+    columns d / 2 wg + 8 j + ..."""
+    if tile_m == 128:
+        wg, j = divmod(chunk, head_dim // 8)
+        return 64 * wg, 8 * j
+    wg, j = divmod(chunk, head_dim // 16)
+    return 0, head_dim // 2 * wg + 8 * j
+
+
+def unit_place(u: int, tile_m: int, head_dim: int) -> tuple[int, int, int]:
+    """Where unit u (floats 4 u .. 4 u + 3) of a (batch, heads, blocks * tile_m, head_dim)
+    fragment-ordered accumulator goes in dQ (batch, seqlen, heads, head_dim): (block of all
+    (batch, head, block) in that order, row in dQ's block, col) of its h2 = 0 pair:
+    dQ[..., row, ..., col : col + 2] = floats 4 u, 4 u + 1; its h2 = 1 pair (4 u + 2, 4 u + 3)
+    goes 8 rows further. The kernel's mapping, for the host tests."""
+    per_block = tile_m * head_dim // 4
+    flat, within = divmod(u, per_block)
+    chunk, thread = divmod(within, THREADS)
+    grow, gcol = thread_place(thread)
+    row, col = chunk_place(chunk, tile_m, head_dim)
+    return flat, row + grow, col + gcol
+
+
+class DqUnfragmentSm90:
+    """dq (b, s, h, d) dtype <- the fragment-ordered acc (flat float32), times scale. A CTA of 128
+    threads per (batch, head, block), one 512-float chunk per step: thread t reads floats
+    4 t .. 4 t + 3 of each chunk (a warp: 512 contiguous bytes) and writes them as two pairs."""
+
+    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int):
+        assert tile_m in TILES and head_dim % 16 == 0 and 16 <= head_dim <= 256, (tile_m, head_dim)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.chunks = tile_m * head_dim // (4 * THREADS)
+
+    @cute.jit
+    def __call__(self, mAcc: cute.Tensor, mDq: cute.Tensor, scale: Float32, stream: cuda.CUstream):
+        """mAcc (n,) float32, 16-byte aligned, n = batch * heads * blocks * tile_m * head_dim with
+        blocks * tile_m >= seqlen; mDq (batch, seqlen, heads, head_dim) self.dtype, last mode
+        contiguous."""
+        self.kernel(mAcc, mDq, scale).launch(
+            grid=[mAcc.shape[0] // (self.tile_m * self.head_dim), 1, 1],
+            block=[THREADS, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(self, mAcc: cute.Tensor, mDq: cute.Tensor, scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        batch, seqlen, heads, _ = mDq.shape
+        blocks = mAcc.shape[0] // (self.tile_m * self.head_dim) // (batch * heads)
+        bh, m = bidx // blocks, bidx % blocks
+        b, h = bh // heads, bh % heads
+        grow, gcol = thread_place(tidx)
+        gBlock = cute.local_tile(mAcc, (self.tile_m * self.head_dim,), (Int64(bidx),))
+        # All of the thread's loads first, in batches of up to 16 chunks (64 registers), then the
+        # stores: ptxas keeps a load after any store to the same (for it, possibly aliased) memory.
+        batch_chunks = min(self.chunks, 16)
+        acc = cute.make_rmem_tensor(cute.make_layout((batch_chunks, 4), stride=(4, 1)), Float32)
+        pair = cute.make_rmem_tensor((2,), self.dtype)
+        for first in cutlass.range_constexpr(0, self.chunks, batch_chunks):
+            for c in cutlass.range_constexpr(batch_chunks):
+                cute.autovec_copy(
+                    cute.local_tile(gBlock, (4,), ((first + c) * THREADS + tidx,)), acc[c, None]
+                )
+            # The stores by row: a row's address and bound once for all of its chunks.
+            places = [chunk_place(first + c, self.tile_m, self.head_dim) for c in range(batch_chunks)]
+            for row0 in sorted({row for row, _ in places}):
+                for h2 in cutlass.range_constexpr(2):
+                    s = m * self.tile_m + row0 + grow + 8 * h2
+                    if s < seqlen:
+                        gRow = mDq[b, s, h, None]
+                        for c in cutlass.range_constexpr(batch_chunks):
+                            if const_expr(places[c][0] == row0):
+                                pair[0] = (acc[c, 2 * h2] * scale).to(self.dtype)
+                                pair[1] = (acc[c, 2 * h2 + 1] * scale).to(self.dtype)
+                                col = places[c][1] + gcol
+                                cute.autovec_copy(pair, cute.local_tile(gRow, (2,), (col // 2,)))
+
+
+def fake_arguments(dtype_name: str, head_dim: int):
+    """Compile-time stand-ins for (acc, dq, scale, stream): sizes symbolic, dq's strides multiples
+    of 8 elements, the accumulator 16-byte aligned."""
+    n = cute.sym_int64(divisibility=4)
+    b, s, h = (cute.sym_int() for _ in range(3))
+
+    def by8():
+        return cute.sym_int64(divisibility=8)
+
+    acc = cute.runtime.make_fake_tensor(Float32, (n,), stride=(1,), assumed_align=16)
+    dq = cute.runtime.make_fake_tensor(
+        _DTYPES[dtype_name], (b, s, h, head_dim), stride=(by8(), by8(), by8(), 1), assumed_align=16
+    )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return acc, dq, Float32(1.0), stream
+
+
+def compile_dq_unfragment(dtype_name: str, head_dim: int, tile_m: int, *, options: str = ""):
+    """Compile for sm_90a with TVM-FFI; no GPU needed (`options`: e.g. "--keep-cubin --dump-dir=DIR")."""
+    kernel = DqUnfragmentSm90(_DTYPES[dtype_name], head_dim, tile_m)
+    opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
+    return cute.compile(kernel, *fake_arguments(dtype_name, head_dim), options=opts)
+
+
+_compiled: dict[tuple[str, int, int], Any] = {}
+
+
+def unfragment_dq(buf, seqlen_q: int, dtype, scale: float | None, tile_m: int):
+    """dQ (b, seqlen_q, h, d) in `dtype`, contiguous, from the fragment-ordered fp32 `buf`
+    (b, h, blocks * tile_m, d), contiguous, times scale (None: 1), on the current stream: as
+    `sm90_bwd.dq_from_fragments`, by this module's kernel."""
+    import torch
+
+    b, h, rows, d = buf.shape
+    assert buf.is_contiguous() and rows % tile_m == 0 and rows - tile_m < seqlen_q <= rows
+    dq = torch.empty(b, seqlen_q, h, d, device=buf.device, dtype=dtype)
+    if dq.numel() == 0:
+        return dq
+    key = (str(dtype).removeprefix("torch."), d, tile_m)
+    fn = _compiled.get(key)
+    if fn is None:
+        modules = (sys.modules[__name__],)
+        fn = _compiled[key] = load_or_compile(
+            "dq_unfragment", key, modules, lambda: compile_dq_unfragment(*key)
+        )
+    fn(buf.view(-1), dq, 1.0 if scale is None else float(scale))
+    return dq
