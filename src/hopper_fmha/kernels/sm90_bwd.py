@@ -678,7 +678,7 @@ def fragment_dims(tile_m: int, head_dim: int):
 # 0.208 ms at d128 causal tile 64 with DQ_FRAGMENTS there, against 0.066 ms for the plain cast of
 # the same bytes (H200, session 34, `bwd_profile`; FA4's postprocess ~0.045 ms). Predicted: d64
 # +3%, and DQ_FRAGMENTS with DQ_WRITER_PLAIN at tile 64 (its main kernel 1.196 vs 1.247 ms) then
-# ~+3% at d128 causal. Built in session 34 (SASS: 16 LDG.128 and 32 STG.32 per thread at d64,
+# ~+4% at d128 causal. Built in session 34 (SASS: 16 LDG.128 and 32 STG.32 per thread at d64,
 # 360 instructions, no stack); off until it has run on a GPU.
 DQ_UNFRAGMENT_KERNEL = False
 
