@@ -16,6 +16,8 @@
 #   26 sm90_bwd.DQ_UNFRAGMENT_KERNEL (session 34, not yet run): its tests (the kernel against
 #      torch's un-permute, the backward with it), then `bwd_profile --ab` at d64, d64 causal (off /
 #      on) and d128 causal (default / fragments + writer + kernel at tile 64), ~6 min
+#   27 if 26 wins: the backward preset (fp16, bf16) with the kernel on, DQ_FRAGMENTS at tiles 64
+#      and 128 and DQ_WRITER_PLAIN at 64 and 80 (sed on a copy of the tree), ~4 min
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -41,6 +43,19 @@ if [ "$part" = 26 ]; then
     timeout 150 python scripts/bwd_profile.py --d 128 --heads 16 --causal --rounds 8 --ab dq-unfragment=off \
         dq-fragments=on,dq-writer-plain=on,dq-unfragment=on dq-fragments=on,dq-unfragment=on 2>&1 \
         | grep TFLOP | tee -a "$OUT/unfragment.txt"
+    exit 0
+fi
+
+if [ "$part" = 27 ]; then
+    rm -rf /tmp/t27 && mkdir -p /tmp/t27 && git ls-files -z | xargs -0 cp --parents -t /tmp/t27
+    src=/tmp/t27/src/hopper_fmha/kernels/sm90_bwd.py
+    sed -i -e 's/^DQ_UNFRAGMENT_KERNEL = .*/DQ_UNFRAGMENT_KERNEL = True/' \
+        -e 's/^DQ_FRAGMENTS = .*/DQ_FRAGMENTS = (64, 128)/' \
+        -e 's/^DQ_WRITER_PLAIN: tuple\[int, ...\] | bool = .*/DQ_WRITER_PLAIN: tuple[int, ...] | bool = (64, 80)/' $src
+    grep -n "^DQ_UNFRAGMENT_KERNEL\|^DQ_FRAGMENTS\|^DQ_WRITER_PLAIN" $src
+    (cd /tmp/t27 && PYTHONPATH=/tmp/t27/src:${PYTHONPATH#*:} python -m hopper_fmha bench --preset backward \
+        --dtype float16 bfloat16 --out "$OUT/bwd27" > "$OUT/bwd27.log" 2>&1)
+    grep -A8 "## Summary" "$OUT"/bwd27/*.md | head -10
     exit 0
 fi
 
