@@ -52,6 +52,7 @@ ON_OFF = (
     ("--dq-writer", sm90_bwd, "DQ_WRITER_WARP", "deterministic: turns and dQ adds by a warp of their own"),
     ("--dq-writer-plain", sm90_bwd, "DQ_WRITER_PLAIN", "not deterministic: dQ adds by the writer warp"),
     ("--dq-writer-plain-wide", sm90_bwd, "DQ_WRITER_PLAIN_WIDE", "the same in the wide kernel"),
+    ("--dq-fragments-wide", sm90_bwd, "DQ_FRAGMENTS_WIDE", "dQ in fragment order in the wide kernel"),
     ("--wide-rotate", sm90_bwd, "WIDE_ROTATE", "deterministic: the wide kernel's rotated walk"),
     ("--dq-store-first", sm90_bwd_ws, "DQ_STORE_FIRST", "deterministic: first turns store, dQacc unzeroed"),
     ("--dq-unfragment", sm90_bwd, "DQ_UNFRAGMENT_KERNEL", "fragment-ordered dQ put in order by a kernel"),
@@ -133,7 +134,10 @@ def inputs(args):
     q, k = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
     v = torch.randn(*shape[:3], args.dv or args.d, device="cuda", dtype=dtype)
     with torch.no_grad():
-        out, lse = flash_attn_func(q, k, v, causal=args.causal, return_lse=True)
+        out, lse = flash_attn_func(
+            q, k, v, causal=args.causal, window_size=tuple(args.window), softcap=args.softcap,
+            return_lse=True,
+        )  # fmt: skip
     dout = torch.randn_like(out)
     return q, k, v, out, dout, lse
 
@@ -152,6 +156,10 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--softcap", type=float, default=0.0, help="the score cap (0: off)")
+    parser.add_argument(
+        "--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"), help="window_size"
+    )
     parser.add_argument("--versions", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--probes", nargs="*", default=[])
     parser.add_argument(
@@ -221,14 +229,17 @@ def main():
 
     def call(version):
         return sm90_bwd.backward(
-            q, k, v, out, dout, lse, scale, args.causal, deterministic=args.deterministic, version=version
-        )
+            q, k, v, out, dout, lse, scale, args.causal, deterministic=args.deterministic, version=version,
+            window_size=tuple(args.window), softcap=args.softcap,
+        )  # fmt: skip
 
     name = (
         f"B{args.batch} N{args.seqlen} H{args.heads} d{args.d}{f'/{dv}' if dv != args.d else ''} {args.dtype}"
     )
     name += " causal" if args.causal else ""
     name += " deterministic" if args.deterministic else ""
+    name += f" softcap {args.softcap:g}" if args.softcap else ""
+    name += f" window {tuple(args.window)}" if tuple(args.window) != (-1, -1) else ""
     if args.ab:
         times = interleaved_ab(
             [(text, parse_setting(text)) for text in args.ab], lambda: call(2), time_ms, args.rounds

@@ -5,6 +5,7 @@ Plain `pytest` runs every tier the machine can and skips the rest with the reaso
 
 import importlib.util
 import os
+import zlib
 
 import pytest
 import torch
@@ -78,10 +79,13 @@ def one_torch_thread():
 
 
 @pytest.fixture
-def hopper_gpu() -> torch.device:
-    """The CUDA device of a Hopper GPU; skips the test on any other machine."""
+def hopper_gpu(request) -> torch.device:
+    """The CUDA device of a Hopper GPU; skips the test on any other machine. Seeds torch's global
+    generators from the test's id, so that what a test draws without a generator of its own (e.g.
+    `torch.randn_like(out)` for dout) does not depend on which tests ran before it in the process."""
     if not HOPPER:
         pytest.skip(_gpu_skip_reason())
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     return torch.device("cuda", torch.cuda.current_device())
 
 

@@ -194,6 +194,9 @@ def kernels(monkeypatch):
         return binding_checked(key, kernel)
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
+    # dQ's un-permute by torch on these CPU tensors (`test_dq_unfragment_kernel_host` stands in for
+    # `DQ_UNFRAGMENT_KERNEL`'s kernel)
+    monkeypatch.setattr(sm90_bwd, "DQ_UNFRAGMENT_KERNEL", False)
     stub_preprocess(monkeypatch)
     return launches, keys
 
@@ -287,9 +290,10 @@ def test_dq_scale_at_cast(kernels, monkeypatch, version):
 
 
 @pytest.mark.parametrize("tile, d", [(80, 128), (64, 128), (128, 64), (64, 64)])
-def test_fragment_order_round_trip(tile, d):
+def test_fragment_order_round_trip(monkeypatch, tile, d):
     # `dq_from_fragments` undoes the kernel's fragment order (`fragment_index`): every element back
-    # in its place, the padded rows cut.
+    # in its place, the padded rows cut (torch's pass; `dq_unfragment`'s map: the tests below).
+    monkeypatch.setattr(sm90_bwd, "DQ_UNFRAGMENT_KERNEL", False)
     g = torch.Generator().manual_seed(3)
     rows = 2 * tile
     dense = torch.randn(2, rows, 3, d, generator=g)
@@ -309,12 +313,13 @@ def test_fragment_order_round_trip(tile, d):
     assert torch.equal(scaled, (dense[:, : rows - 9] * 0.5).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("tile, d", [(128, 64), (64, 128), (64, 64), (128, 128)])
+@pytest.mark.parametrize("tile, d", [(128, 64), (64, 128), (64, 64), (128, 128), (80, 128)])
 def test_dq_unfragment_places(tile, d):
-    # `dq_unfragment.unit_place`, the postprocess kernel's map (unit u: floats 4 u .. 4 u + 3 of
-    # the fragment-ordered buffer -> its two pairs of dQ), against `fragment_index`, derived from
-    # the main kernel's side: every float of two blocks lands where the main kernel put it.
-    from hopper_fmha.kernels.dq_unfragment import unit_place
+    # `dq_unfragment.unit_place` and `value_offset`, the postprocess kernel's map (unit u: floats
+    # 4 u .. 4 u + 3 of the fragment-ordered buffer -> their places in dQ), against
+    # `fragment_index`, derived from the main kernel's side: every float of two blocks lands where
+    # the main kernel put it.
+    from hopper_fmha.kernels.dq_unfragment import unit_place, value_offset
 
     rows = 2 * tile
     index = fragment_index(rows, tile, d)  # (row, col) -> flat index in one head's buffer
@@ -322,7 +327,8 @@ def test_dq_unfragment_places(tile, d):
         block, row, col = unit_place(u, tile, d)
         for h2 in range(2):
             for e in range(2):
-                assert index[block * tile + row + 8 * h2, col + e] == 4 * u + 2 * h2 + e
+                dr, dc = value_offset(h2, e, tile)
+                assert index[block * tile + row + dr, col + dc] == 4 * u + 2 * h2 + e
 
 
 @pytest.mark.parametrize("unscaled", [False, True], ids=["scaled", "unscaled"])
@@ -889,15 +895,18 @@ def wide(monkeypatch):
     ids=["d256-gqa", "d192-dv128", "d160-mha-deterministic", "d256-mqa-deterministic", "d136-mha",
          "d136-dv64", "d192-dv96-mha-deterministic", "d200-dv128"],
 )  # fmt: skip
+@pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
 @pytest.mark.parametrize("wide_rotate", [False, True], ids=["plain-walk", "rotated"])
 def test_head_dims_past_128_run_the_wide_kernel(
-    kernels, wide, monkeypatch, d, dv, kv_heads, causal, deterministic, kernel, wide_rotate
+    kernels, wide, monkeypatch, d, dv, kv_heads, causal, deterministic, kernel, wide_rotate, fragments
 ):
     # Past 128 the wide kernel runs at (192, 128) or (256, 256), on zero-padded copies to the first
     # at least as large: dK, dV per q head (fp32 with GQA, summed by the host; no atomic sums),
     # 64-query steps; deterministic without causal, the rotated walk with WIDE_ROTATE (75 keys: 2
-    # blocks per head, resident at once), else none.
+    # blocks per head, resident at once), else none. dQacc in fragment order with
+    # DQ_FRAGMENTS_WIDE (d256 deterministic: its two chains' copies).
     monkeypatch.setattr(sm90_bwd, "WIDE_ROTATE", wide_rotate)
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS_WIDE", fragments)
     launches, keys = kernels
     g = torch.Generator().manual_seed(d + dv)
     q = torch.randn(2, 70, 4, d, generator=g).to(torch.bfloat16)
@@ -912,7 +921,8 @@ def test_head_dims_past_128_run_the_wide_kernel(
     # tile_m, rotate, dq_unscaled, dq_fragments, dv)
     key = keys[-1]
     assert (key[1], key[15]) == kernel and key[4] == 2 and key[6] is False and key[11] == 64
-    assert key[12] is (wide_rotate and deterministic and not causal) and key[14] is False
+    assert key[12] is (wide_rotate and deterministic and not causal) and key[14] is fragments
+    assert key[17] == (2 if kernel == (256, 256) and deterministic and not causal else 1)
     assert launches[-1]["q"].shape[-1] == kernel[0] and launches[-1]["dk"].shape[-1] == kernel[0]
     assert launches[-1]["dk"].dtype == (torch.bfloat16 if kv_heads == 4 else torch.float32)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
@@ -1202,7 +1212,9 @@ def test_varlen_dq_gather_kernel(varlen_kernels, monkeypatch, unscaled):
 
 
 @pytest.mark.parametrize("unscaled", [False, True], ids=["scaled", "unscaled"])
-@pytest.mark.parametrize("d, causal, tile", [(64, False, T64), (128, True, 64), (64, True, T64)])
+@pytest.mark.parametrize(
+    "d, causal, tile", [(64, False, T64), (128, True, 64), (64, True, T64), (128, False, 80)]
+)
 def test_dq_unfragment_kernel_host(kernels, monkeypatch, d, causal, tile, unscaled):
     """`DQ_UNFRAGMENT_KERNEL`: with fragments on, dq from `dq_unfragment`'s kernel (here a torch
     stand-in behind its binding's checks that places each unit by `unit_place`, the kernel's map)
@@ -1226,8 +1238,9 @@ def test_dq_unfragment_kernel_host(kernels, monkeypatch, d, causal, tile, unscal
             full = torch.zeros(b, units.shape[2] * tile_m, h, head_dim)
             for h2 in range(2):
                 for e in range(2):
-                    r = (torch.arange(units.shape[2])[:, None] * tile_m + rows + 8 * h2).reshape(-1)
-                    full[:, r, :, (cols + e).repeat(units.shape[2])] = (
+                    dr, dc = dq_unfragment.value_offset(h2, e, tile_m)
+                    r = (torch.arange(units.shape[2])[:, None] * tile_m + rows + dr).reshape(-1)
+                    full[:, r, :, (cols + dc).repeat(units.shape[2])] = (
                         units[..., h2, e].reshape(b, h, -1).permute(2, 0, 1)  # (the indexed mode first)
                     )
             dq.copy_((full[:, :sq] * scale).to(dq.dtype))

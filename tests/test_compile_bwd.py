@@ -397,6 +397,33 @@ def test_wide_kernel_compiles_without_spills(cfg, dims):
     assert stored == words
 
 
+# `sm90_bwd.DQ_FRAGMENTS_WIDE` (session 35): the wide kernel's dQ as the dense kernel's tile 64 in
+# fragment order: a thread's d / 4 fp32 values per query block leave as d / 16 16-byte stores and
+# one 1-D bulk reduce-add (UBLKRED) per warpgroup, in place of the swizzled buffer's 4- and 8-byte
+# stores and a TMA reduce-add; no stack, the P and dS stores as they were.
+@pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "deterministic"])
+@pytest.mark.parametrize("dims", list(WIDE_SHAPES), ids=[f"d{a}-dv{b}" for a, b in WIDE_SHAPES])
+def test_wide_dq_fragments(dims, deterministic):
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    cubins = []
+    for fragments in (False, True):
+        with tempfile.TemporaryDirectory() as dump:
+            cubins.append(
+                compile_bwd(
+                    "bfloat16", dims[0], False, deterministic, head_dim_v=dims[1], dq_writer=True,
+                    dq_fragments=fragments, dq_chains=2 if deterministic and dims[0] == 256 else 1,
+                    dq_writer_warps=2 if deterministic else 1, options=f"--keep-cubin --dump-dir={dump}",
+                ).artifacts.CUBIN
+            )  # fmt: skip
+    plain, frag = (sass_or_skip(c) for c in cubins)
+    assert frag.count("STS.128") == plain.count("STS.128") + dims[0] // 16
+    assert "UBLKRED.G.S.ADD.F32" in frag and "UTMAREDG" not in frag and "UTMAREDG" in plain
+    words = [len(re.findall(r"\bSTS\b(?!\.)", t)) + 2 * t.count("STS.64") for t in (plain, frag)]
+    assert words[0] - words[1] == dims[0] // 4  # (the 4- and 8-byte stores: dQ's alone)
+    assert stack_bytes(cubins[1]) == 0
+
+
 WRITER_CASES = {
     # (d, causal, tile_m, rotate, fragments, varlen, dv)
     "d128-tile80": (128, False, 80, False, False, False, None),
@@ -551,13 +578,15 @@ def test_exp_early_moves_exponentials_after_the_dp_wait(monkeypatch, early):
 
 
 @pytest.mark.parametrize(
-    "dtype, d, tile", [("bfloat16", 64, 128), ("float16", 128, 64), ("bfloat16", 64, 64)]
+    "dtype, d, tile",
+    [("bfloat16", 64, 128), ("float16", 128, 64), ("bfloat16", 64, 64), ("float16", 128, 80)],
 )
 def test_dq_unfragment_kernel_compiles(dtype, d, tile):
-    # `dq_unfragment` (`sm90_bwd.DQ_UNFRAGMENT_KERNEL`): each thread's loads first, one 16-byte
-    # load per 512-float chunk of the block (tile * d / 512 of them), then two 4-byte stores per
-    # chunk; no stack, few registers.
-    from hopper_fmha.kernels.dq_unfragment import compile_dq_unfragment
+    # `dq_unfragment` (`sm90_bwd.DQ_UNFRAGMENT_KERNEL`): each thread's loads first (in batches of
+    # up to 16), one 16-byte load per 512-float chunk of the block (tile * d / 512 of them), then
+    # two 4-byte stores per chunk (tile 80, transposed: four 2-byte stores); no stack, few
+    # registers.
+    from hopper_fmha.kernels.dq_unfragment import compile_dq_unfragment, load_batch
 
     with tempfile.TemporaryDirectory() as dump:
         cubin = compile_dq_unfragment(
@@ -565,8 +594,11 @@ def test_dq_unfragment_kernel_compiles(dtype, d, tile):
         ).artifacts.CUBIN
     text = sass_or_skip(cubin)
     chunks = tile * d // 512
-    assert text.count("LDG.E.128") == chunks and text.count("STG.E ") == 2 * chunks
-    first_store = text.index("STG.E ")
-    assert text.rfind("LDG.E.128", 0, first_store) == text.rfind("LDG.E.128")  # loads before stores
+    store = "STG.E.U16 " if tile == 80 else "STG.E "
+    assert text.count("LDG.E.128") == chunks and text.count(store) == (4 if tile == 80 else 2) * chunks
+    batch = load_batch(chunks)
+    for first in range(0, chunks, batch):  # each batch's loads before its first store
+        loads = [i for i in range(len(text)) if text.startswith("LDG.E.128", i)][first : first + batch]
+        assert text.find(store, loads[0]) > loads[-1]
     res = kernel_resources(cubin)
     assert res["stack_bytes"] == 0 and res["registers"] <= 128

@@ -6,14 +6,16 @@ accumulator. Torch runs that pass with its general strided kernel: 0.159 ms at d
 bf16, 2.95 ms in all) and 0.208 ms at d128 causal tile 64 with the scale, against 0.066 ms for the
 plain contiguous scale-and-cast of the same bytes (H200, session 34, `bwd_profile`). This kernel
 reads the accumulator in its own order, 16 bytes a thread, every warp one contiguous 512-byte run,
-and writes each thread's four values as two 4-byte pairs of dQ.
+and writes each thread's four values as two 4-byte pairs of dQ (tile 80: four 2-byte values).
 
 The fragment order (`sm90_bwd.fragment_dims`; `unit_place` below): per (batch, head) the
 accumulator holds whole blocks of tile_m queries x d; a block holds, per warpgroup wg and j < J,
 the 128 threads' 4 accumulator values, value 4 j + 2 h2 + e of thread 32 warp + lane at GEMM row
 16 warp + 8 h2 + lane // 4 and column 8 j + 2 (lane % 4) + e. Tile 128: rows are the block's
 queries 64 wg + ..., columns d (J = d / 8). Tile 64: rows are the queries, columns d / 2 wg + ...
-(J = d / 16). (Tile 80 holds dQ transposed; it stays with torch.)
+(J = d / 16). Tile 80 (d128 only) holds dQ transposed: GEMM rows are d, 64 wg + ..., columns the
+queries (J = 10), so a thread's values land as four 2-byte stores (a warp's store: 4 queries x
+16 contiguous bytes).
 
 Memory-bound, no TMA, no shared memory: a CTA per (batch, head, block), its thread t taking
 floats 4 t .. 4 t + 3 of each of the block's 512-float chunks, whose place in dQ is a compile-time
@@ -34,24 +36,34 @@ from cutlass import Float32, Int64, const_expr
 from .cache import load_or_compile
 
 _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
-TILES = (64, 128)
+TILES = (64, 80, 128)
 THREADS = 128
 
 
-def thread_place(thread):
-    """(GEMM row of its h2 = 0 values, GEMM column of its e = 0 values within an 8-column group) of
-    a warpgroup thread's accumulator values (SM90's accumulator layout)."""
+def thread_place(thread, tile_m: int):
+    """(row, column) in dQ's block of a warpgroup thread's value h2 = 0, e = 0 within a chunk
+    (SM90's accumulator layout; tile 80's GEMM is transposed: its rows are dQ's columns)."""
     warp, lane = thread // 32, thread % 32
+    if tile_m == 80:
+        return 2 * (lane % 4), 16 * warp + lane // 4
     return 16 * warp + lane // 4, 2 * (lane % 4)
+
+
+def value_offset(h2: int, e: int, tile_m: int) -> tuple[int, int]:
+    """(row, column) of a thread's value 2 h2 + e (of its 4 in a chunk) from its value 0."""
+    return (e, 8 * h2) if tile_m == 80 else (8 * h2, e)
 
 
 def chunk_place(chunk: int, tile_m: int, head_dim: int) -> tuple[int, int]:
     """(row, column) offsets in dQ's block of a block's chunk (warpgroup wg, j): 128 threads' 4
     values, 512 floats. Tile 128: rows 64 wg + ..., columns 8 j + ...; tile 64: rows as the GEMM's,
-    columns d / 2 wg + 8 j + ..."""
+    columns d / 2 wg + 8 j + ...; tile 80: rows (queries) 8 j + ..., columns (d) 64 wg + ..."""
     if tile_m == 128:
         wg, j = divmod(chunk, head_dim // 8)
         return 64 * wg, 8 * j
+    if tile_m == 80:
+        wg, j = divmod(chunk, 10)
+        return 8 * j, 64 * wg
     wg, j = divmod(chunk, head_dim // 16)
     return 0, head_dim // 2 * wg + 8 * j
 
@@ -59,24 +71,31 @@ def chunk_place(chunk: int, tile_m: int, head_dim: int) -> tuple[int, int]:
 def unit_place(u: int, tile_m: int, head_dim: int) -> tuple[int, int, int]:
     """Where unit u (floats 4 u .. 4 u + 3) of a (batch, heads, blocks * tile_m, head_dim)
     fragment-ordered accumulator goes in dQ (batch, seqlen, heads, head_dim): (block of all
-    (batch, head, block) in that order, row in dQ's block, col) of its h2 = 0 pair:
-    dQ[..., row, ..., col : col + 2] = floats 4 u, 4 u + 1; its h2 = 1 pair (4 u + 2, 4 u + 3)
-    goes 8 rows further. The kernel's mapping, for the host tests."""
+    (batch, head, block) in that order, row in dQ's block, col) of its float 4 u; float
+    4 u + 2 h2 + e goes `value_offset(h2, e, tile_m)` further. The kernel's mapping, for the host
+    tests."""
     per_block = tile_m * head_dim // 4
     flat, within = divmod(u, per_block)
     chunk, thread = divmod(within, THREADS)
-    grow, gcol = thread_place(thread)
+    grow, gcol = thread_place(thread, tile_m)
     row, col = chunk_place(chunk, tile_m, head_dim)
     return flat, row + grow, col + gcol
+
+
+def load_batch(chunks: int) -> int:
+    """Chunks loaded before their stores: the most, up to 16 (64 registers), that divide `chunks`."""
+    return max(n for n in range(1, 17) if chunks % n == 0)
 
 
 class DqUnfragmentSm90:
     """dq (b, s, h, d) dtype <- the fragment-ordered acc (flat float32), times scale. A CTA of 128
     threads per (batch, head, block), one 512-float chunk per step: thread t reads floats
-    4 t .. 4 t + 3 of each chunk (a warp: 512 contiguous bytes) and writes them as two pairs."""
+    4 t .. 4 t + 3 of each chunk (a warp: 512 contiguous bytes) and writes them as two pairs
+    (tile 80: four single values)."""
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int):
         assert tile_m in TILES and head_dim % 16 == 0 and 16 <= head_dim <= 256, (tile_m, head_dim)
+        assert tile_m != 80 or head_dim == 128, "tile 80 is d128's"  # (`sm90_bwd.fragment_dims`)
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
@@ -102,11 +121,11 @@ class DqUnfragmentSm90:
         blocks = mAcc.shape[0] // (self.tile_m * self.head_dim) // (batch * heads)
         bh, m = bidx // blocks, bidx % blocks
         b, h = bh // heads, bh % heads
-        grow, gcol = thread_place(tidx)
+        grow, gcol = thread_place(tidx, self.tile_m)
         gBlock = cute.local_tile(mAcc, (self.tile_m * self.head_dim,), (Int64(bidx),))
         # All of the thread's loads first, in batches of up to 16 chunks (64 registers), then the
         # stores: ptxas keeps a load after any store to the same (for it, possibly aliased) memory.
-        batch_chunks = min(self.chunks, 16)
+        batch_chunks = load_batch(self.chunks)
         acc = cute.make_rmem_tensor(cute.make_layout((batch_chunks, 4), stride=(4, 1)), Float32)
         pair = cute.make_rmem_tensor((2,), self.dtype)
         for first in cutlass.range_constexpr(0, self.chunks, batch_chunks):
@@ -117,16 +136,28 @@ class DqUnfragmentSm90:
             # The stores by row: a row's address and bound once for all of its chunks.
             places = [chunk_place(first + c, self.tile_m, self.head_dim) for c in range(batch_chunks)]
             for row0 in sorted({row for row, _ in places}):
-                for h2 in cutlass.range_constexpr(2):
-                    s = m * self.tile_m + row0 + grow + 8 * h2
-                    if s < seqlen:
-                        gRow = mDq[b, s, h, None]
-                        for c in cutlass.range_constexpr(batch_chunks):
-                            if const_expr(places[c][0] == row0):
-                                pair[0] = (acc[c, 2 * h2] * scale).to(self.dtype)
-                                pair[1] = (acc[c, 2 * h2 + 1] * scale).to(self.dtype)
-                                col = places[c][1] + gcol
-                                cute.autovec_copy(pair, cute.local_tile(gRow, (2,), (col // 2,)))
+                if const_expr(self.tile_m == 80):
+                    # transposed: value 2 h2 + e at row + e, column + 8 h2; 2-byte stores
+                    for e in cutlass.range_constexpr(2):
+                        s = m * self.tile_m + row0 + grow + e
+                        if s < seqlen:
+                            gRow = mDq[b, s, h, None]
+                            for c in cutlass.range_constexpr(batch_chunks):
+                                if const_expr(places[c][0] == row0):
+                                    for h2 in cutlass.range_constexpr(2):
+                                        col = places[c][1] + gcol + 8 * h2
+                                        gRow[col] = (acc[c, 2 * h2 + e] * scale).to(self.dtype)
+                else:
+                    for h2 in cutlass.range_constexpr(2):
+                        s = m * self.tile_m + row0 + grow + 8 * h2
+                        if s < seqlen:
+                            gRow = mDq[b, s, h, None]
+                            for c in cutlass.range_constexpr(batch_chunks):
+                                if const_expr(places[c][0] == row0):
+                                    pair[0] = (acc[c, 2 * h2] * scale).to(self.dtype)
+                                    pair[1] = (acc[c, 2 * h2 + 1] * scale).to(self.dtype)
+                                    col = places[c][1] + gcol
+                                    cute.autovec_copy(pair, cute.local_tile(gRow, (2,), (col // 2,)))
 
 
 def fake_arguments(dtype_name: str, head_dim: int):

@@ -498,11 +498,11 @@ def compile_bwd(
     if version == 2 and head_dim > HEAD_DIMS[-1]:
         from .sm90_bwd_wide import BwdWideSm90
 
-        assert not (dkv_atomic or dq_fragments), "wide: dK, dV per q head; no fragments"
+        assert not dkv_atomic, "wide: dK, dV per q head"
         assert tile_m == TILE, "the wide kernel steps 64 queries"
         kernel = BwdWideSm90(
             dtype, head_dim, head_dim_v, causal, deterministic, window_left, window_right, softcap, varlen,
-            dq_unscaled, dq_writer, rotate, dq_chains, dq_writer_warps,
+            dq_unscaled, dq_writer, rotate, dq_chains, dq_writer_warps, dq_fragments,
         )  # fmt: skip
     elif version == 2:
         from .sm90_bwd_ws import BwdWsSm90
@@ -555,8 +555,18 @@ DQ_SCALE_AT_CAST = (64, 80)
 # `dq_from_fragments` puts back in order for the cast. Built for every query tile of the dense
 # kernel (80: d128 non-causal; 64: causal, windows, softcap; 128: d64); on at these (True: all).
 # v27 (H100, bf16 B4 N4096, `bwd_profile`): d64 tile 128 438 -> 469 TFLOP/s; d128 tile 80 530 -> 529,
-# causal tile 64 428 -> 435, deterministic tile 80 (no writer warp) 355 -> 330. Part of the compile key.
-DQ_FRAGMENTS = (128,)
+# causal tile 64 428 -> 435, deterministic tile 80 (no writer warp) 355 -> 330. At tile 64 torch's
+# un-permute ate the main kernel's gain until `DQ_UNFRAGMENT_KERNEL` (session 35: on at 64 and 80 with
+# it; H200 `bwd_profile --ab`, bf16 B4 N4096 TFLOP/s, off -> on: d128 tile 80 533 -> 551, deterministic
+# 516 -> 528, d128 causal deterministic 418 -> 437). Part of the compile key.
+DQ_FRAGMENTS = (64, 80, 128)
+
+
+# The same in the wide kernel (dense; its dQ is tile 64's: each warpgroup half of d, `fragment_dims`),
+# `dq_unfragment` putting it back in order (session 35). Measured (H200, `bwd_profile --wide --ab`,
+# bf16 B4 N4096, TFLOP/s, off -> on): d256 308 -> 351, causal 295 -> 326, deterministic 278 -> 278;
+# d192/dv128 413 -> 439, causal 364 -> 393. On. Part of the compile key (the dq_fragments field).
+DQ_FRAGMENTS_WIDE = True
 
 
 def tile_switch(switch, tile_m: int) -> bool:
@@ -584,8 +594,9 @@ DQ_WRITER_WARP = True
 # causal 367 396 -> 399 400 (noise); the backward preset (fp16) with writer and fragments at every
 # tile: d128 508 -> 529, causal 432 -> 419 TFLOP/s. On at tile 80 alone (d128 without causal, window
 # or softcap: +2.8%). The query tiles where it is on (`tile_switch`; the varlen kernel's too; never
-# the wide kernel's). Part of the compile key.
-DQ_WRITER_PLAIN: tuple[int, ...] | bool = (80,)
+# the wide kernel's). Tile 64 joined in session 35 with DQ_FRAGMENTS and `DQ_UNFRAGMENT_KERNEL`
+# (d128 causal 464 -> 473 TFLOP/s over fragments alone). Part of the compile key.
+DQ_WRITER_PLAIN: tuple[int, ...] | bool = (64, 80)
 
 
 # The writer warp without deterministic mode in the wide kernel too (session 31): its consumers
@@ -673,14 +684,18 @@ def fragment_dims(tile_m: int, head_dim: int):
     return head_dim // 16, (4, 2, 8), (2, head_dim // 16, 4, 2), (0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
 
 
-# `dq_from_fragments` by a kernel of its own (`dq_unfragment`, tiles 64 and 128) instead of torch's
+# `dq_from_fragments` by a kernel of its own (`dq_unfragment`, tiles 64, 128 and 80) instead of torch's
 # strided elementwise pass, which took 0.159 ms of d64's 2.95 ms backward (B4 N4096 H32 bf16) and
 # 0.208 ms at d128 causal tile 64 with DQ_FRAGMENTS there, against 0.066 ms for the plain cast of
 # the same bytes (H200, session 34, `bwd_profile`; FA4's postprocess ~0.045 ms). Predicted: d64
 # +3%, and DQ_FRAGMENTS with DQ_WRITER_PLAIN at tile 64 (its main kernel 1.196 vs 1.247 ms) then
 # ~+4% at d128 causal. Built in session 34 (SASS: 16 LDG.128 and 32 STG.32 per thread at d64,
-# 360 instructions, no stack); off until it has run on a GPU.
-DQ_UNFRAGMENT_KERNEL = False
+# 360 instructions, no stack). Measured (H200, session 35, `bwd_profile --ab`, bf16 B4 N4096,
+# TFLOP/s, off -> on): d64 459 -> 471, d64 causal 382 -> 404; d128 causal tile 64 433 -> 473 with
+# DQ_FRAGMENTS and DQ_WRITER_PLAIN there too (464 without the writer). The backward preset in the same
+# call (fp16+bf16, 12 cells, one GPU each): bwd 0.887x -> 0.907x the best peer, deterministic 0.782x
+# -> 0.808x (bench/results/2026-11-28-h200-v35). On.
+DQ_UNFRAGMENT_KERNEL = True
 
 
 def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: int):
@@ -694,8 +709,7 @@ def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: in
     assert rows % tile_m == 0 and rows - tile_m < seqlen_q <= rows
     if (
         DQ_UNFRAGMENT_KERNEL
-        and tile_m in (TILE, 2 * TILE)
-        and d % 16 == 0
+        and (tile_m in (TILE, 2 * TILE) and d % 16 == 0 or tile_m == 80 and d == 128)
         and buf.is_contiguous()
     ):
         from .dq_unfragment import unfragment_dq
@@ -1000,7 +1014,7 @@ def backward(
     delta, lse2 = row_stats(out, dout, lse, dlse, tile_m)
     # The kernel and the host below agree on these two (both in the compile key).
     dq_unscaled = tile_switch(DQ_SCALE_AT_CAST, tile_m)
-    dq_fragments = tile_switch(DQ_FRAGMENTS, tile_m) and version == 2 and not wide
+    dq_fragments = version == 2 and (DQ_FRAGMENTS_WIDE if wide else tile_switch(DQ_FRAGMENTS, tile_m))
     writer = dq_writer(bool(deterministic), tile_m, wide) and version == 2
     chains = dq_chains(bool(deterministic), version, writer, (d, d_v), masked)
     blocks = -(-seqlen_q // tile_m)

@@ -110,6 +110,7 @@ class BwdWideSm90(BwdWsSm90):
         rotate: bool = False,
         dq_chains: int = 1,
         dq_writer_warps: int = 1,
+        dq_fragments: bool = False,
     ):
         assert (head_dim, head_dim_v) in SHAPES, f"the wide backward kernel takes {list(SHAPES)}"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -129,8 +130,11 @@ class BwdWideSm90(BwdWsSm90):
         self.varlen = varlen
         self.tile_m = TILE_M
         self.dq_unscaled = dq_unscaled
-        self.dq_fragments = False
-        # dQ as `sm90_bwd_ws` at tile_m 64: warpgroup w adds columns [d/2 w, d/2 (w + 1)) of a block.
+        # dQ as `sm90_bwd_ws` at tile_m 64: warpgroup w adds columns [d/2 w, d/2 (w + 1)) of a block;
+        # with dq_fragments (dense, `sm90_bwd.DQ_FRAGMENTS_WIDE`) staged in the accumulator's order
+        # and added by one 1-D bulk reduce-add onto the warpgroup's half of the block's fragments.
+        assert not (dq_fragments and varlen), "dq_fragments: dense"
+        self.dq_fragments = dq_fragments
         self.dq_by_rows = False
         self.dq_swapped = False
         self.dq_tile = (TILE_M, head_dim // 2)
