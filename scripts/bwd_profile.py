@@ -56,6 +56,7 @@ ON_OFF = (
     ("--wide-rotate", sm90_bwd, "WIDE_ROTATE", "deterministic: the wide kernel's rotated walk"),
     ("--dq-store-first", sm90_bwd_ws, "DQ_STORE_FIRST", "deterministic: first turns store, dQacc unzeroed"),
     ("--dq-unfragment", sm90_bwd, "DQ_UNFRAGMENT_KERNEL", "fragment-ordered dQ put in order by a kernel"),
+    ("--dq-laps", sm90_bwd_ws, "DQ_LAPS", "deterministic: the rotated walk's chains as laps"),
 )
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),

@@ -10,19 +10,19 @@
 # (session 31, bench/results/2026-11-28-h200-v31), parts 16-17 at 609635e and part 18 in
 # the commit that added parts 19-20 (session 32, bench/results/2026-11-28-h200-v32), parts 19-23
 # (session 33, bench/results/2026-11-28-h200-v33) at f2b28ef, parts 24-25 (session 34,
-# bench/results/2026-11-28-h200-v34) at c9208e4, e.g.
-# `git show f2b28ef:scripts/gpu_pending.sh`.
+# bench/results/2026-11-28-h200-v34) at c9208e4, parts 26-27 (session 35,
+# bench/results/2026-11-28-h200-v35) at ed51f72, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
 # Each results README names its files' parts.
-#   26 sm90_bwd.DQ_UNFRAGMENT_KERNEL (session 34, not yet run): its tests (the kernel against
-#      torch's un-permute, the backward with it), then `bwd_profile --ab` at d64, d64 causal (off /
-#      on) and d128 causal (default / fragments + writer + kernel at tile 64), ~6 min
-#   27 if 26 wins: the backward preset (fp16, bf16) with the kernel on, DQ_FRAGMENTS at tiles 64
-#      and 128 and DQ_WRITER_PLAIN at 64 and 80 (sed on a copy of the tree), ~4 min
+#   28 session 35's test edits and DQ_LAPS (built, off): all of tests/test_gpu_backward.py (GPU tests
+#      now seed torch per test id; dsink's floor is the inputs' rounding; the new `dq_laps` tests),
+#      in three shards on GPUs 0, 2, 3 (~6 min); on GPU 1 `bwd_profile --ab dq-laps=off dq-laps=on`
+#      at d256 deterministic (N 4096 and 2048) and the plain rate beside it (~4 min). x4 machine.
+#   29 if 28's laps win: the backward preset (fp16, bf16) with DQ_LAPS on (sed on a copy), ~4 min
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
-part=${1:-26}
+part=${1:-28}
 
 tier() {  # name, budget (s), -k expression, test files...: true when nothing failed or hung
     local name=$1 budget=$2 expr=$3
@@ -34,28 +34,33 @@ tier() {  # name, budget (s), -k expression, test files...: true when nothing fa
     grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/$name.log")
 }
 
-if [ "$part" = 26 ]; then
-    tier tier26 150 "unfragment" tests/test_gpu_backward.py
-    for args in "--d 64 --heads 32" "--d 64 --heads 32 --causal"; do
-        timeout 120 python scripts/bwd_profile.py $args --rounds 8 --ab dq-unfragment=off dq-unfragment=on \
-            2>&1 | grep TFLOP
-    done | tee "$OUT/unfragment.txt"
-    timeout 150 python scripts/bwd_profile.py --d 128 --heads 16 --causal --rounds 8 --ab dq-unfragment=off \
-        dq-fragments=on,dq-writer-plain=on,dq-unfragment=on dq-fragments=on,dq-unfragment=on 2>&1 \
-        | grep TFLOP | tee -a "$OUT/unfragment.txt"
+if [ "$part" = 28 ]; then
+    python -m pytest --collect-only -q tests/test_gpu_backward.py 2>/dev/null | grep "::" > /tmp/ids.txt
+    for g in 0 2 3; do
+        awk -v g=$g 'NR % 3 == (g == 0 ? 0 : g - 1)' /tmp/ids.txt > /tmp/ids$g.txt
+        (CUDA_VISIBLE_DEVICES=$g HOPPER_FMHA_CACHE_DIR=/tmp/kc$g python scripts/gpu_tier.py --out /tmp/tier$g \
+            --archive "$OUT/tier$g.tar.gz" --procs 15 --budget 420 --stall 120 --chunked --ids /tmp/ids$g.txt \
+            > "$OUT/tier$g.log" 2>&1) &
+    done
+    (export CUDA_VISIBLE_DEVICES=1 HOPPER_FMHA_CACHE_DIR=/tmp/kc1
+     for n in 4096 2048; do
+         timeout 200 python scripts/bwd_profile.py --d 256 --heads 8 --wide --seqlen $n --deterministic \
+             --rounds 8 --ab dq-laps=off dq-laps=on
+         timeout 100 python scripts/bwd_profile.py --d 256 --heads 8 --wide --seqlen $n --rounds 8 --ab dq-laps=off
+     done 2>&1 | grep TFLOP > "$OUT/laps.txt") &
+    wait
+    for g in 0 2 3; do tail -1 "$OUT/tier$g.log"; grep -h "^FAILED" /tmp/tier$g/report*.txt | head -10; done
+    cat "$OUT/laps.txt"
     exit 0
 fi
 
-if [ "$part" = 27 ]; then
-    rm -rf /tmp/t27 && mkdir -p /tmp/t27 && git ls-files -z | xargs -0 cp --parents -t /tmp/t27
-    src=/tmp/t27/src/hopper_fmha/kernels/sm90_bwd.py
-    sed -i -e 's/^DQ_UNFRAGMENT_KERNEL = .*/DQ_UNFRAGMENT_KERNEL = True/' \
-        -e 's/^DQ_FRAGMENTS = .*/DQ_FRAGMENTS = (64, 128)/' \
-        -e 's/^DQ_WRITER_PLAIN: tuple\[int, ...\] | bool = .*/DQ_WRITER_PLAIN: tuple[int, ...] | bool = (64, 80)/' $src
-    grep -n "^DQ_UNFRAGMENT_KERNEL\|^DQ_FRAGMENTS\|^DQ_WRITER_PLAIN" $src
-    (cd /tmp/t27 && PYTHONPATH=/tmp/t27/src:${PYTHONPATH#*:} python -m hopper_fmha bench --preset backward \
-        --dtype float16 bfloat16 --out "$OUT/bwd27" > "$OUT/bwd27.log" 2>&1)
-    grep -A8 "## Summary" "$OUT"/bwd27/*.md | head -10
+if [ "$part" = 29 ]; then
+    rm -rf /tmp/t29 && mkdir -p /tmp/t29 && git ls-files -z | xargs -0 cp --parents -t /tmp/t29
+    sed -i -e 's/^DQ_LAPS = .*/DQ_LAPS = True/' /tmp/t29/src/hopper_fmha/kernels/sm90_bwd_ws.py
+    grep -n "^DQ_LAPS" /tmp/t29/src/hopper_fmha/kernels/sm90_bwd_ws.py
+    (cd /tmp/t29 && PYTHONPATH=/tmp/t29/src:${PYTHONPATH#*:} python -m hopper_fmha bench --preset backward \
+        --dtype float16 bfloat16 --out "$OUT/bwd29" > "$OUT/bwd29.log" 2>&1)
+    grep -A10 "## Summary" "$OUT"/bwd29/*.md | head -12
     exit 0
 fi
 

@@ -72,6 +72,7 @@ def dense_kernel(
     dq_chains=1,
     stored=False,
     block_keys=128,
+    laps=False,
 ):
     """A stand-in for a compiled backward kernel: the same 18 arguments, its part of the work
     done densely in float64 (P from LSE log2 e, dS with the given D, both padded to 64-row blocks;
@@ -79,7 +80,8 @@ def dense_kernel(
     kernel writes; dQacc without the softmax scale where the key says so (`DQ_SCALE_AT_CAST`), in
     fragment order where it says so (`DQ_FRAGMENTS`); with `DQ_CHAINS` k > 1, dQacc holds k copies of
     the padded rows, and key block n's part (`block_keys`: the kernel's keys per CTA, 128, or the
-    wide kernel's 48 or 96) goes to copy n % k. stored
+    wide kernel's 48 or 96) goes to copy n % k (`laps`, `sm90_bwd_ws.DQ_LAPS`: to its lap's copy,
+    `sm90_bwd_ws.lap_of`). stored
     (`sm90_bwd_ws.store_first`): a copy some key block reaches is written whole (its padded rows
     too) before the adds, as the kernel's first turn stores."""
 
@@ -113,8 +115,10 @@ def dense_kernel(
         p = torch.where(seen, torch.exp2(s * math.log2(math.e) - lse2.double()[..., None]), 0.0)
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
         ds = p * (dp - delta.double()[..., None]) * dtanh
+        num_n = -(-k.shape[1] // block_keys)
         for c in range(dq_chains):
-            keys = (torch.arange(k.shape[1]) // block_keys) % dq_chains == c  # copy c's key blocks
+            n = torch.arange(k.shape[1]) // block_keys
+            keys = (n // -(-num_n // dq_chains) if laps else n % dq_chains) == c  # copy c's key blocks
             dq_part = torch.einsum("bhqk,bkhd->bqhd", ds * keys, kk) * (1.0 if dq_unscaled else scale)
             copy = dq_acc[:, c * pad : c * pad + q.shape[1]]
             if stored and keys.any():  # the first turn's store: all of the copy's padded rows
@@ -187,9 +191,10 @@ def kernels(monkeypatch):
         # tile_m, rotate, dq_unscaled, dq_fragments, dv, dq_writer, dq_chains, dq_writer_warps)
         assert key[10] is False
         stored = sm90_bwd_ws.store_first(key[3], key[16], key[2] or any(key[7:9]), key[10])
+        laps = sm90_bwd_ws.DQ_LAPS and key[12] and key[17] > 1  # (the kernel's `laps`)
         kernel = dense_kernel(
             launches, key[6], key[2], key[7:9], key[9], *key[13:15], tile_m=key[11], dq_chains=key[17],
-            stored=stored, block_keys=sm90_bwd.keys_per_cta(key[1], key[15]),
+            stored=stored, block_keys=sm90_bwd.keys_per_cta(key[1], key[15]), laps=laps,
         )  # fmt: skip
         return binding_checked(key, kernel)
 
@@ -423,6 +428,82 @@ def test_dq_chains(kernels, monkeypatch, chains, fragments, d, causal, tile, cas
         for ours, ref in zip(grads, expected, strict=True):
             assert ours.dtype == torch.bfloat16 and ours.is_contiguous()
             torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("laps", [2, 3, 4])
+def test_laps_partition_key_blocks(laps):
+    # `sm90_bwd_ws.lap_of` (`DQ_LAPS`): every key block in exactly one lap, laps contiguous and in
+    # order, each lap's blocks indexed 0.. its size - 1; `laps_reached` counts the non-empty ones.
+    from hopper_fmha.kernels.sm90_bwd_ws import lap_of, laps_reached
+
+    for num_n in range(1, 200):
+        places = [lap_of(n, num_n, laps) for n in range(num_n)]
+        sizes = {}
+        for n, (lap, index, size) in enumerate(places):
+            assert 0 <= index < size and 0 <= lap < laps
+            assert sizes.setdefault(lap, size) == size
+            assert n == sum(sizes.get(l, 0) for l in range(lap)) + index  # contiguous, in order
+        assert sum(sizes.values()) == num_n and sorted(sizes) == list(range(len(sizes)))
+        assert laps_reached(num_n, laps) == len(sizes)
+    assert laps_reached(0, laps) == 0
+
+
+@pytest.mark.parametrize(
+    "num_n, blocks, laps", [(86, 64, 2), (43, 64, 1), (200, 64, 4), (5, 3, 2), (7, 64, 3)]
+)
+def test_lap_turns_follow_arrival(num_n, blocks, laps):
+    # A model of the rotated walk in laps (`BwdWsSm90.walk`, `turn`, `lap_of`; the kernel's
+    # arithmetic, the turn's wrap written as a modulo): in each lap every query block gets each
+    # turn 0 .. size - 1 once, in the order its CTAs reach it, and with a stride (a lap no larger
+    # than the blocks) a CTA's first block is its turn 0 and at each later step its predecessor
+    # reached the block one step before it: no CTA waits at the start (d256 N4096: 86 CTAs, 64
+    # blocks, 2 laps of 43).
+    from hopper_fmha.kernels.sm90_bwd_ws import lap_of
+
+    arrivals, starts = {}, []
+    for n in range(num_n):
+        lap, index, size = lap_of(n, num_n, laps) if laps > 1 else (0, n, num_n)
+        stride = blocks // size
+        first = index * stride
+        for step in range(blocks):
+            m = (first + step) % blocks
+            if stride > 0:
+                turn = (min(m // stride, size - 1) - index) % size
+            else:
+                turn = size - 1 - index  # (no rotation: every CTA at block 0 first)
+            arrivals.setdefault((lap, m), []).append((turn, step, stride > 0))
+            if step == 0:
+                starts.append((turn, stride > 0))
+    for got in arrivals.values():
+        got.sort()
+        assert [t for t, _, _ in got] == list(range(len(got)))  # each turn once
+        if got[0][2]:  # rotated: each turn's CTA reaches the block at least a step after the last
+            assert all(b[1] > a[1] for a, b in zip(got, got[1:], strict=False))
+    assert all(turn == 0 for turn, rotated in starts if rotated)  # no wait at the first block
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
+def test_dq_laps_host(kernels, monkeypatch, fragments):
+    # `sm90_bwd_ws.DQ_LAPS` with the rotated deterministic walk and chains: copy c holds lap c's
+    # key blocks (the stand-in), and the host zeroes the copies no lap reaches: 4 key blocks in 3
+    # laps of 2 leave copy 2 empty. torch.empty gives NaN here, so an unzeroed copy shows.
+    monkeypatch.setattr(sm90_bwd_ws, "DQ_LAPS", True)
+    monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST", True)
+    monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(128, 128): 3})
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    launches, keys = kernels
+    q, k, v, out, dout, lse = inputs(sq=150, sk=4 * 128 - 10, kv_heads=2, d=128)
+    grads = sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, False, deterministic=True)
+    assert keys[-1][12] is True and keys[-1][17] == 3  # rotated, 3 chains: laps
+    for ours, ref in zip(grads, reference_grads(q, k, v, dout), strict=True):
+        torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_sum_copies_adds_in_order():

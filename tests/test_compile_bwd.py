@@ -424,6 +424,30 @@ def test_wide_dq_fragments(dims, deterministic):
     assert stack_bytes(cubins[1]) == 0
 
 
+# `sm90_bwd_ws.DQ_LAPS` (session 35): the deterministic rotated walk in laps, at d256 (the wide
+# kernel: 2 chains, 2 writer warps, fragments, as `sm90_bwd.backward` asks for it) and d128 tile 80
+# with 3 chains: it compiles, a different kernel, no stack where there was none.
+@pytest.mark.parametrize("d, tile, chains", [(256, 64, 2), (128, 80, 3)], ids=["wide-d256", "d128-tile80"])
+def test_dq_laps_compiles(monkeypatch, d, tile, chains):
+    from hopper_fmha.kernels import sm90_bwd_ws
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    cubins = []
+    for laps in (False, True):
+        monkeypatch.setattr(sm90_bwd_ws, "DQ_LAPS", laps)
+        with tempfile.TemporaryDirectory() as dump:
+            cubins.append(
+                compile_bwd(
+                    "bfloat16", d, False, True, mha=True, tile_m=tile, rotate=True, dq_writer=True,
+                    dq_fragments=True, dq_chains=chains, dq_writer_warps=2, head_dim_v=d,
+                    options=f"--keep-cubin --dump-dir={dump}",
+                ).artifacts.CUBIN
+            )  # fmt: skip
+    plain, laps = (sass_or_skip(c) for c in cubins)
+    assert plain != laps
+    assert stack_bytes(cubins[1]) <= max(stack_bytes(cubins[0]), 0 if d == 256 else 8)
+
+
 WRITER_CASES = {
     # (d, causal, tile_m, rotate, fragments, varlen, dv)
     "d128-tile80": (128, False, 80, False, False, False, None),

@@ -902,6 +902,34 @@ def test_wide_dq_fragments_varlen(hopper_gpu, wide_fragments, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, False, 256, case, "gqa")
 
 
+# Deterministic chains as laps of the rotated walk (`sm90_bwd_ws.DQ_LAPS`, session 35, off): d256
+# (86 key blocks at 4100 keys: two laps of 43), MHA and GQA, ragged and empty-tailed shapes, bitwise
+# repeats; d128 with 3 chains (`DQ_CHAINS`), whose 2 + 2 key blocks leave the third copy to zeros.
+@pytest.fixture
+def dq_laps(monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd_ws
+
+    monkeypatch.setattr(sm90_bwd_ws, "DQ_LAPS", True)
+
+
+LAPS_SEQLENS = [(113, 203), (1000, 128), (1023, 1024), (300, 4100)]
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", LAPS_SEQLENS, ids=[f"{a}x{b}" for a, b in LAPS_SEQLENS])
+@pytest.mark.parametrize("dims", [(256, 256), (128, 128)], ids=["d256", "d128-3-chains"])
+def test_dq_laps(hopper_gpu, wide, dq_laps, monkeypatch, dims, seqlens, heads):
+    from hopper_fmha.kernels import sm90_bwd
+
+    if dims == (128, 128):
+        monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(128, 128): 3})
+    test_score_features_backward(hopper_gpu, torch.bfloat16, True, dims[0], "plain", seqlens, heads, dims[1])
+
+
+def test_dq_laps_bitwise(hopper_gpu, wide, dq_laps):
+    test_deterministic_is_bitwise_reproducible(hopper_gpu, False, 256)  # 100 repeats
+
+
 # The varlen dQ's scale, cast and gather by one kernel (`sm90_bwd.VARLEN_DQ_GATHER`) is on since
 # session 29 (`test_varlen_backward` runs it); torch's cast-then-gather path it replaced, still
 # there behind the switch, here: every varlen case at d64 and d128 (tiles 128, 80, 64), MHA and GQA,

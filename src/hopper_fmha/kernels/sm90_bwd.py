@@ -1021,11 +1021,13 @@ def backward(
     # Deterministic without causal or window: the kernel stores each block's first turn, so dQacc
     # needs no zeros, but where a chain copy gets no turn (fewer key blocks than copies) or no
     # kernel runs (`sm90_bwd_ws.store_first`; imported only when deterministic).
-    stored = False
+    stored = laps = False
+    rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device, d, d_v)
     if deterministic and version == 2:
-        from .sm90_bwd_ws import store_first
+        from . import sm90_bwd_ws
 
-        stored = store_first(True, writer, masked, False)
+        stored = sm90_bwd_ws.store_first(True, writer, masked, False)
+        laps = sm90_bwd_ws.DQ_LAPS and rotate and chains > 1  # (the kernel's `laps`)
     alloc_acc = torch.empty if stored else torch.zeros
     if dq_fragments:  # per (batch, head), whole blocks: each block's fragments contiguous
         frag = alloc_acc(batch, heads, chains * blocks * tile_m, d, device=q.device, dtype=torch.float32)
@@ -1035,13 +1037,14 @@ def backward(
         dq_acc = alloc_acc(batch, rows, heads, d, device=q.device, dtype=torch.float32)
     if stored:
         turns = -(-seqlen_k // keys_per_cta(d, d_v)) if seqlen_q > 0 else 0  # per query block
+        reached = sm90_bwd_ws.laps_reached(turns, chains) if laps else turns  # (copies with a turn)
         if turns == 0:  # no kernel runs
             (frag if dq_fragments else dq_acc).zero_()
-        elif turns < chains:  # the copies no turn reaches
+        elif reached < chains:  # the copies no turn reaches
             if dq_fragments:
-                frag.view(batch, heads, chains, blocks * tile_m, d)[:, :, turns:].zero_()
+                frag.view(batch, heads, chains, blocks * tile_m, d)[:, :, reached:].zero_()
             else:
-                dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, turns:].zero_()
+                dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, reached:].zero_()
     group = heads // kv_heads
     mha = group == 1
     # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;
@@ -1053,7 +1056,6 @@ def backward(
     sem = None
     if deterministic:
         sem = torch.zeros(batch, heads, chains * blocks, device=q.device, dtype=torch.int32)
-    rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device, d, d_v)
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
     warps = writer_warps(bool(deterministic), writer)
     key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer, chains, warps)

@@ -157,6 +157,37 @@ def store_first(deterministic: bool, dq_writer: bool, masked: bool, varlen: bool
     return DQ_STORE_FIRST and deterministic and dq_writer and not masked and not varlen
 
 
+# Deterministic dQ's chains as laps (session 35, built, not yet run on a GPU): with the rotated walk
+# (`rotate`) and k > 1 chain copies, the key blocks of a head split into k contiguous laps, lap l
+# adding into copy l, each lap its own rotated walk and turn order (`lap_of`), in place of the turns'
+# parity (`dq_chains`: turn t into copy t % k). Why: the rotation's stride is C // num_n query blocks
+# and is 0 where a head has more key blocks (CTAs) than query blocks: d256's 48-key CTAs at N 4096
+# are 86 against 64 query blocks, so every CTA starts at the same block and CTA t waits for t / k
+# hand-offs before its first add (the start-up skew of the plain walk). Laps of 43 rotate with
+# stride 1, as d192/dv128's 43 CTAs a head do (deterministic at 98% of plain there, d256 at 75%:
+# v35's backward-features and backward presets), and three laps fill 129 of 132 SMs. Predicted:
+# deterministic d256 75% -> 85-95% of plain. Read when a kernel is built, like `DQ_STORE_FIRST`.
+DQ_LAPS = False
+
+
+def lap_of(n_block, num_n, laps: int, imin=min):
+    """(lap, index in the lap, the lap's key blocks) of key block n_block among num_n in `laps`
+    contiguous laps of ceil(num_n / laps) (the last may be shorter; with num_n < laps some are
+    empty). Branch-free, so that the kernel (imin = cutlass.min, Int32 values) and the host tests
+    (ints) run the same arithmetic."""
+    size = (num_n + laps - 1) // laps
+    lap = n_block // size
+    return lap, n_block - lap * size, imin(size, num_n - lap * size)
+
+
+def laps_reached(num_n: int, laps: int) -> int:
+    """How many of the `laps` copies of dQacc get a turn at all (`lap_of`: the non-empty laps)."""
+    if num_n <= 0:
+        return 0
+    size = -(-num_n // laps)
+    return -(-num_n // size)
+
+
 BARRIER_DKV = 5  # both consumer warpgroups: sK, sV free for dK, dV / dK, dV written (`store_dkdv_tma`)
 # `sm90_bwd_wide`'s: both consumer warpgroups' GEMMs of a block have read its one sP/sdS buffer. The
 # named barriers of both kernels are numbered here, so that no id meets with two thread counts.
@@ -937,19 +968,31 @@ class BwdWsSm90(BwdSm90):
                     acc_S_mn[r, c] = p
                     acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dsum) * (1.0 - t * t)
 
+    @property
+    def laps(self) -> bool:
+        """`DQ_LAPS`: the chains as laps of the rotated walk (deterministic, `rotate`, k > 1)."""
+        return DQ_LAPS and self.rotate and self.dq_chains > 1
+
     @cute.jit
     def walk(self, n_block, seqlen, m_min, m_max):
-        """(first query block this CTA visits, stride, num_n): [m_min, m_max) in order from m_min,
-        or (`rotate`) from m_min + n_block * stride, stride = C // num_n for C query blocks and
-        num_n key blocks, wrapping at m_max. stride 0 (C < num_n, or no work): no rotation."""
+        """(first query block this CTA visits, stride, num_n[, index in its lap, lap]): [m_min,
+        m_max) in order from m_min, or (`rotate`) from m_min + n_block * stride, stride = C // num_n
+        for C query blocks and num_n key blocks, wrapping at m_max. stride 0 (C < num_n, or no
+        work): no rotation. With `laps`, n_block and num_n are the CTA's lap's (`lap_of`)."""
         first, stride, num_n = m_min, Int32(0), Int32(1)
+        n_local, lap = n_block, Int32(0)
         if const_expr(self.rotate):
             num_n = cutlass.max((seqlen.seqlen_k + self.tile_n - 1) // self.tile_n, 1)
             if const_expr(self.varlen):
                 num_n = cutlass.min(num_n, cute.arch.grid_dim()[0])  # (as the turns' n_max)
+            if const_expr(self.laps):
+                lap, n_local, num_n = lap_of(n_block, num_n, self.dq_chains, cutlass.min)
             stride = (m_max - m_min) // num_n
-            first = m_min + n_block * stride
-        return first, stride, num_n
+            first = m_min + n_local * stride
+        result = (first, stride, num_n)
+        if const_expr(self.laps):
+            result = (first, stride, num_n, n_local, lap)
+        return result
 
     @cute.jit
     def walk_block(self, i, m_min, m_max, walk):
@@ -968,7 +1011,9 @@ class BwdWsSm90(BwdSm90):
         n0 = min(m // stride, num_n - 1), reaches it first, then n0 - 1, ..., 0, then num_n - 1,
         ..., n0 + 1 (each reaches m stride steps after the one before it). Without rotation
         (stride 0) every CTA starts at m_min: descending, the launch order."""
-        _, stride, num_n = walk
+        stride, num_n = walk[1], walk[2]
+        if const_expr(self.laps):
+            n_block = walk[3]  # (the index in its lap)
         turn = num_n - 1 - n_block
         if stride > 0:
             n0 = cutlass.min(m // stride, num_n - 1)
@@ -1021,7 +1066,11 @@ class BwdWsSm90(BwdSm90):
             first = False
             if const_expr(self.deterministic):
                 turn = self.dq_turn(mask, seqlen, m_block, n_block, m_min, walk)  # (before the wait)
-                if const_expr(self.dq_chains > 1):
+                if const_expr(self.laps):
+                    # The CTA's lap's copy of the rows and semaphores; the turn is the lap's.
+                    blocks = (seqlen.seqlen_q + self.tile_m - 1) // self.tile_m
+                    acc_block = m_block + walk[4] * blocks
+                elif const_expr(self.dq_chains > 1):
                     # Chain turn % k of the block's turns, each chain its own copy of the rows
                     # and its own semaphore: a CTA waits for the one k turns before it.
                     blocks = (seqlen.seqlen_q + self.tile_m - 1) // self.tile_m
