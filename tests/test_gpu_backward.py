@@ -907,9 +907,10 @@ def test_wide_dq_fragments_varlen(hopper_gpu, wide_fragments, case):
 # repeats; d128 with 3 chains (`DQ_CHAINS`), whose 2 + 2 key blocks leave the third copy to zeros.
 @pytest.fixture
 def dq_laps(monkeypatch):
-    from hopper_fmha.kernels import sm90_bwd_ws
+    from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
 
     monkeypatch.setattr(sm90_bwd_ws, "DQ_LAPS", True)
+    monkeypatch.setattr(sm90_bwd, "_compiled", {})  # (a module switch, not in the compile key)
 
 
 LAPS_SEQLENS = [(113, 203), (1000, 128), (1023, 1024), (300, 4100)]
