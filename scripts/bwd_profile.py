@@ -60,6 +60,7 @@ ON_OFF = (
 )
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),
+    ("--lpt-heads", sm90_bwd_ws, "LPT_HEADS", ("0", "2", "4", "8", "16"), "causal: longest CTAs first"),
     (
         "--exp-early",
         sm90_bwd_ws,
@@ -78,8 +79,11 @@ def switches() -> dict:
 
 
 def switch_value(choices: tuple, value: str):
-    """A switch's module value for its flag's `value`: True / False for "on" / "off", else the name."""
-    return value == "on" if choices == ("on", "off") else value
+    """A switch's module value for its flag's `value`: True / False for "on" / "off", an int for a
+    number, else the name."""
+    if choices == ("on", "off"):
+        return value == "on"
+    return int(value) if value.isdigit() else value
 
 
 def parse_setting(text: str) -> list:

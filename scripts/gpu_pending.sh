@@ -13,11 +13,13 @@
 # bench/results/2026-11-28-h200-v34) at c9208e4, parts 26-27 (session 35,
 # bench/results/2026-11-28-h200-v35) at ed51f72, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
 # Each results README names its files' parts.
-#   28 session 35's test edits and DQ_LAPS (built, off): all of tests/test_gpu_backward.py (GPU tests
-#      now seed torch per test id; dsink's floor is the inputs' rounding; the new `dq_laps` tests),
-#      in three shards on GPUs 0, 2, 3 (~6 min); on GPU 1 `bwd_profile --ab dq-laps=off dq-laps=on`
-#      at d256 deterministic (N 4096 and 2048) and the plain rate beside it (~4 min). x4 machine.
-#   29 if 28's laps win: the backward preset (fp16, bf16) with DQ_LAPS on (sed on a copy), ~4 min
+#   28 session 35's test edits, DQ_LAPS and LPT_HEADS (built, off): all of tests/test_gpu_backward.py
+#      (GPU tests now seed torch per test id; dsink's floor is the inputs' rounding; the new
+#      `dq_laps` and `lpt_order` tests) in three shards on GPUs 0, 2, 3 (~6-7 min); on GPU 1
+#      `bwd_profile --ab`: dq-laps off/on at d256 deterministic (and the plain rate beside it),
+#      lpt-heads 0/4/8 at d128, d64 and d256 causal (~6 min). x4 machine.
+#   29 for what 28 shows wins: the backward preset (fp16, bf16) with DQ_LAPS on and LPT_HEADS at
+#      ${LPT:-4} (sed on a copy; LPT=0 or LAPS=False leaves one off), ~4 min
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -43,21 +45,24 @@ if [ "$part" = 28 ]; then
             > "$OUT/tier$g.log" 2>&1) &
     done
     (export CUDA_VISIBLE_DEVICES=1 HOPPER_FMHA_CACHE_DIR=/tmp/kc1
-     for n in 4096 2048; do
-         timeout 200 python scripts/bwd_profile.py --d 256 --heads 8 --wide --seqlen $n --deterministic \
-             --rounds 8 --ab dq-laps=off dq-laps=on
-         timeout 100 python scripts/bwd_profile.py --d 256 --heads 8 --wide --seqlen $n --rounds 8 --ab dq-laps=off
-     done 2>&1 | grep TFLOP > "$OUT/laps.txt") &
+     P="timeout 150 python scripts/bwd_profile.py --rounds 8"
+     $P --d 256 --heads 8 --wide --deterministic --ab dq-laps=off dq-laps=on
+     $P --d 256 --heads 8 --wide --ab dq-laps=off
+     $P --d 128 --heads 16 --causal --ab lpt-heads=0 lpt-heads=4 lpt-heads=8
+     $P --d 64 --heads 32 --causal --ab lpt-heads=0 lpt-heads=4 lpt-heads=8
+     $P --d 256 --heads 8 --wide --causal --ab lpt-heads=0 lpt-heads=4
+    ) 2>&1 | grep TFLOP > "$OUT/ab28.txt" &
     wait
     for g in 0 2 3; do tail -1 "$OUT/tier$g.log"; grep -h "^FAILED" /tmp/tier$g/report*.txt | head -10; done
-    cat "$OUT/laps.txt"
+    cat "$OUT/ab28.txt"
     exit 0
 fi
 
 if [ "$part" = 29 ]; then
     rm -rf /tmp/t29 && mkdir -p /tmp/t29 && git ls-files -z | xargs -0 cp --parents -t /tmp/t29
-    sed -i -e 's/^DQ_LAPS = .*/DQ_LAPS = True/' /tmp/t29/src/hopper_fmha/kernels/sm90_bwd_ws.py
-    grep -n "^DQ_LAPS" /tmp/t29/src/hopper_fmha/kernels/sm90_bwd_ws.py
+    sed -i -e "s/^DQ_LAPS = .*/DQ_LAPS = ${LAPS:-True}/" -e "s/^LPT_HEADS = .*/LPT_HEADS = ${LPT:-4}/" \
+        /tmp/t29/src/hopper_fmha/kernels/sm90_bwd_ws.py
+    grep -n "^DQ_LAPS\|^LPT_HEADS" /tmp/t29/src/hopper_fmha/kernels/sm90_bwd_ws.py
     (cd /tmp/t29 && PYTHONPATH=/tmp/t29/src:${PYTHONPATH#*:} python -m hopper_fmha bench --preset backward \
         --dtype float16 bfloat16 --out "$OUT/bwd29" > "$OUT/bwd29.log" 2>&1)
     grep -A10 "## Summary" "$OUT"/bwd29/*.md | head -12

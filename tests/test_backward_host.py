@@ -506,6 +506,34 @@ def test_dq_laps_host(kernels, monkeypatch, fragments):
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("grid", [(32, 16, 4), (86, 8, 4), (5, 3, 7), (1, 1, 1), (7, 65535, 1)])
+def test_lpt_place_is_an_order_of_the_grid(grid, group):
+    # `sm90_bwd_ws.lpt_place` (`LPT_HEADS`): every (key block, head, batch) exactly once; in
+    # launch order, groups of `group` (head, batch) pairs one after another (the last one smaller),
+    # each taking key block 0 of all its pairs, then key block 1, ... (longest first, causal).
+    from hopper_fmha.kernels.sm90_bwd_ws import lpt_place
+
+    x_len, y_len, z_len = grid
+    pairs = y_len * z_len
+    if x_len * pairs > 200_000:
+        y_len, pairs = 997, 997 * z_len  # (the same shape of groups, fewer CTAs to check)
+    seen, order = set(), []
+    for bz in range(z_len):
+        for by in range(y_len):
+            for bx in range(x_len):
+                n, h, b = lpt_place(bx, by, bz, (x_len, y_len, z_len), group)
+                assert 0 <= n < x_len and 0 <= h < y_len and 0 <= b < z_len
+                seen.add((n, h, b))
+                order.append((n, h + y_len * b))
+    assert len(seen) == x_len * pairs  # a bijection
+    expected = []
+    for first in range(0, pairs, group):
+        members = range(first, min(first + group, pairs))
+        expected += [(n, hb) for n in range(x_len) for hb in members]
+    assert order == expected
+
+
 def test_sum_copies_adds_in_order():
     # fp32 addition is not associative: the copies are added first to last, always.
     a, b, c = torch.tensor([1e8]), torch.tensor([-1e8]), torch.tensor([1.0])

@@ -448,6 +448,28 @@ def test_dq_laps_compiles(monkeypatch, d, tile, chains):
     assert stack_bytes(cubins[1]) <= max(stack_bytes(cubins[0]), 0 if d == 256 else 8)
 
 
+# `sm90_bwd_ws.LPT_HEADS` (session 35): the causal non-deterministic kernels (d128 tile 64, d64
+# tile 128, the wide d256) take their CTA's place from `lpt_place`: a different kernel, the main
+# loop's registers and stack as before; deterministic and varlen kernels ignore it.
+@pytest.mark.parametrize("d, tile", [(128, 64), (64, 128), (256, 64)], ids=["d128", "d64", "wide-d256"])
+def test_lpt_order_compiles(monkeypatch, d, tile):
+    from hopper_fmha.kernels import sm90_bwd_ws
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    texts, stacks = {}, {}
+    for lpt, deterministic in ((0, False), (4, False), (0, True), (4, True)):
+        monkeypatch.setattr(sm90_bwd_ws, "LPT_HEADS", lpt)
+        with tempfile.TemporaryDirectory() as dump:
+            cubin = compile_bwd(
+                "bfloat16", d, True, deterministic, mha=True, tile_m=tile, head_dim_v=d, dq_writer=True,
+                dq_fragments=True, options=f"--keep-cubin --dump-dir={dump}",
+            ).artifacts.CUBIN  # fmt: skip
+        texts[lpt, deterministic] = sass_or_skip(cubin)
+        stacks[lpt, deterministic] = stack_bytes(cubin)
+    assert texts[4, False] != texts[0, False] and texts[4, True] == texts[0, True]
+    assert stacks[4, False] == stacks[0, False]
+
+
 WRITER_CASES = {
     # (d, causal, tile_m, rotate, fragments, varlen, dv)
     "d128-tile80": (128, False, 80, False, False, False, None),

@@ -931,6 +931,34 @@ def test_dq_laps_bitwise(hopper_gpu, wide, dq_laps):
     test_deterministic_is_bitwise_reproducible(hopper_gpu, False, 256)  # 100 repeats
 
 
+# Causal CTAs longest first in groups of heads (`sm90_bwd_ws.LPT_HEADS`, session 35, off): the
+# CTA's (key block, head, batch) from `lpt_place`, at d64, d128 and d256, MHA/GQA/MQA (GQA's atomic
+# dK, dV sums), heads not a multiple of the group, a window and softcap.
+@pytest.fixture
+def lpt_heads(monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
+
+    monkeypatch.setattr(sm90_bwd_ws, "LPT_HEADS", 4)
+    monkeypatch.setattr(sm90_bwd, "_compiled", {})  # (a module switch, not in the compile key)
+
+
+LPT_SEQLENS = [(113, 203), (1000, 128), (1023, 1024)]
+
+
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+@pytest.mark.parametrize("seqlens", LPT_SEQLENS, ids=[f"{a}x{b}" for a, b in LPT_SEQLENS])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_lpt_order(hopper_gpu, wide, lpt_heads, dtype, d, seqlens, heads):
+    test_backward_matches_reference(hopper_gpu, 2, dtype, d, True, seqlens, heads)
+
+
+@pytest.mark.parametrize("feature", ["both", "softcap-causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_lpt_order_features(hopper_gpu, lpt_heads, d, feature):
+    test_score_features_backward(hopper_gpu, torch.bfloat16, False, d, feature, (1023, 1024), "gqa")
+
+
 # The varlen dQ's scale, cast and gather by one kernel (`sm90_bwd.VARLEN_DQ_GATHER`) is on since
 # session 29 (`test_varlen_backward` runs it); torch's cast-then-gather path it replaced, still
 # there behind the switch, here: every varlen case at d64 and d128 (tiles 128, 80, 64), MHA and GQA,
