@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from hopper_fmha import flash_attn_func
+from hopper_fmha import flash_attn_func, flash_attn_varlen_func
 from hopper_fmha.cli import _time_ms
 from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
 
@@ -57,6 +57,7 @@ ON_OFF = (
     ("--dq-store-first", sm90_bwd_ws, "DQ_STORE_FIRST", "deterministic: first turns store, dQacc unzeroed"),
     ("--dq-unfragment", sm90_bwd, "DQ_UNFRAGMENT_KERNEL", "fragment-ordered dQ put in order by a kernel"),
     ("--dq-laps", sm90_bwd_ws, "DQ_LAPS", "deterministic: the rotated walk's chains as laps"),
+    ("--varlen-dq-fragments", sm90_bwd, "VARLEN_DQ_FRAGMENTS", "the varlen backward's dQ in fragment order"),
 )
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),
@@ -147,6 +148,28 @@ def inputs(args):
     return q, k, v, out, dout, lse
 
 
+def varlen_inputs(args):
+    """Packed sequences of 256..4096 tokens (`--varlen` of them, fixed seed), MHA: q, k, v, out,
+    dout, lse (heads, total) of the varlen forward, cu_seqlens, the longest."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(256, 4097, (args.varlen,), generator=g)
+    cu = torch.zeros(args.varlen + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    cu = cu.cuda()
+    total = int(cu[-1])
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    q, k = (torch.randn(total, args.heads, args.d, device="cuda", dtype=dtype) for _ in range(2))
+    v = torch.randn(total, args.heads, args.dv or args.d, device="cuda", dtype=dtype)
+    longest = int(lengths.max())
+    with torch.no_grad():
+        out, lse = flash_attn_varlen_func(
+            q, k, v, cu, cu, longest, longest, causal=args.causal, window_size=tuple(args.window),
+            softcap=args.softcap, return_lse=True,
+        )  # fmt: skip
+    return q, k, v, out, torch.randn_like(out), lse, cu, longest
+
+
 def time_ms(fn):
     return _time_ms(fn, warmup=3, repeats=20)  # the CLI demo's: median of CUDA-event times
 
@@ -162,6 +185,14 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--softcap", type=float, default=0.0, help="the score cap (0: off)")
+    parser.add_argument(
+        "--varlen",
+        type=int,
+        default=0,
+        metavar="SEQS",
+        help="packed sequences of 256..4096 tokens (uniform, fixed seed), MHA, through the varlen "
+        "backward (version 2), --batch and --seqlen unused (0: dense)",
+    )
     parser.add_argument(
         "--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"), help="window_size"
     )
@@ -226,21 +257,34 @@ def main():
         import hopper_fmha.backward
 
         hopper_fmha.backward.WIDE_BACKWARD = True
-    q, k, v, out, dout, lse = inputs(args)
     scale = args.d**-0.5
-    # 2.5 times the forward's FLOPs, 2 B H N^2 (d + dv), causal halved
     dv = args.dv or args.d
-    fmul = 2.5 * 2 * args.batch * args.heads * args.seqlen**2 * (args.d + dv) / (2 if args.causal else 1)
+    if args.varlen:
+        args.versions = [2]
+        q, k, v, out, dout, lse, cu, longest = varlen_inputs(args)
+        lengths = (cu[1:] - cu[:-1]).double()
+        # 2.5 times the forward's FLOPs, summed over the sequences, causal halved
+        fmul = 2.5 * 2 * args.heads * float((lengths**2).sum()) * (args.d + dv) / (2 if args.causal else 1)
 
-    def call(version):
-        return sm90_bwd.backward(
-            q, k, v, out, dout, lse, scale, args.causal, deterministic=args.deterministic, version=version,
-            window_size=tuple(args.window), softcap=args.softcap,
-        )  # fmt: skip
+        def call(version):
+            return sm90_bwd.backward_varlen(
+                q, k, v, out, dout, lse, cu, cu, longest, longest, scale, args.causal,
+                deterministic=args.deterministic, window_size=tuple(args.window), softcap=args.softcap,
+            )  # fmt: skip
 
-    name = (
-        f"B{args.batch} N{args.seqlen} H{args.heads} d{args.d}{f'/{dv}' if dv != args.d else ''} {args.dtype}"
-    )
+    else:
+        q, k, v, out, dout, lse = inputs(args)
+        # 2.5 times the forward's FLOPs, 2 B H N^2 (d + dv), causal halved
+        fmul = 2.5 * 2 * args.batch * args.heads * args.seqlen**2 * (args.d + dv) / (2 if args.causal else 1)
+
+        def call(version):
+            return sm90_bwd.backward(
+                q, k, v, out, dout, lse, scale, args.causal, deterministic=args.deterministic,
+                version=version, window_size=tuple(args.window), softcap=args.softcap,
+            )  # fmt: skip
+
+    shape = f"varlen{args.varlen}" if args.varlen else f"B{args.batch} N{args.seqlen}"
+    name = f"{shape} H{args.heads} d{args.d}{f'/{dv}' if dv != args.d else ''} {args.dtype}"
     name += " causal" if args.causal else ""
     name += " deterministic" if args.deterministic else ""
     name += f" softcap {args.softcap:g}" if args.softcap else ""

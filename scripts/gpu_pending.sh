@@ -17,9 +17,11 @@
 #      (GPU tests now seed torch per test id; dsink's floor is the inputs' rounding; the new
 #      `dq_laps` and `lpt_order` tests) in three shards on GPUs 0, 2, 3 (~6-7 min); on GPU 1
 #      `bwd_profile --ab`: dq-laps off/on at d256 deterministic (and the plain rate beside it),
-#      lpt-heads 0/4/8 at d128, d64 and d256 causal (~6 min). x4 machine.
+#      lpt-heads 0/4/8 at d128, d64 and d256 causal, varlen-dq-fragments off/on at d128 varlen
+#      (24 sequences) and causal (~8 min). x4 machine.
 #   29 for what 28 shows wins: the backward preset (fp16, bf16) with DQ_LAPS on and LPT_HEADS at
-#      ${LPT:-4} (sed on a copy; LPT=0 or LAPS=False leaves one off), ~4 min
+#      ${LPT:-4} (sed on a copy; LPT=0 or LAPS=False leaves one off), ~4 min; VARLEN_DQ_FRAGMENTS
+#      is measured by part 28's A/B and `--preset backward-features`
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -51,6 +53,8 @@ if [ "$part" = 28 ]; then
      $P --d 128 --heads 16 --causal --ab lpt-heads=0 lpt-heads=4 lpt-heads=8
      $P --d 64 --heads 32 --causal --ab lpt-heads=0 lpt-heads=4 lpt-heads=8
      $P --d 256 --heads 8 --wide --causal --ab lpt-heads=0 lpt-heads=4
+     $P --d 128 --heads 16 --varlen 24 --ab varlen-dq-fragments=off varlen-dq-fragments=on
+     $P --d 128 --heads 16 --varlen 24 --causal --ab varlen-dq-fragments=off varlen-dq-fragments=on
     ) 2>&1 | grep TFLOP > "$OUT/ab28.txt" &
     wait
     for g in 0 2 3; do tail -1 "$OUT/tier$g.log"; grep -h "^FAILED" /tmp/tier$g/report*.txt | head -10; done

@@ -755,12 +755,15 @@ def varlen_kernel(
     softcap_on=False,
     tile=64,
     dq_unscaled=False,
+    dq_fragments=False,
 ):
     """A stand-in for the varlen backward kernel: per sequence b, its query rows read from and added
     into the padded buffers from (cu_seqlens_q[b] + tile_m b) rounded down to a multiple of tile_m
     (the kernel's `padded_rows`, asserted 16-byte aligned as its TMA boxes need), the rows
     past the sequence's end in the last query block included (their LSE log2 e must be +inf there:
-    a finite value would add their P into dK, dV); keys from the packed k, v."""
+    a finite value would add their P into dK, dV); keys from the packed k, v. dq_fragments
+    (`VARLEN_DQ_FRAGMENTS`): dQacc is a (rows, h, d) view of a per-head (h, rows, d) buffer, each
+    sequence's blocks added in fragment order from its padded start."""
 
     def run(
         q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group, left, right, softcap, cu_q, cu_k, max_k
@@ -768,7 +771,12 @@ def varlen_kernel(
         launches.append(
             dict(q=q, dk=dk, sem=sem, lse2=lse2, max_k=max_k, window=(left, right), softcap=softcap)
         )
-        assert q.shape[0] == 1 and lse2.shape[0] == 1 and dq_acc.shape[1] == lse2.shape[2]
+        assert q.shape[0] == 1 and lse2.shape[0] == 1
+        if dq_fragments:  # whole blocks of every head's padded rows, one head after another
+            assert dq_acc.shape[1] % tile == 0 and dq_acc.shape[1] >= lse2.shape[2]
+            assert dq_acc.stride(2) == dq_acc.shape[1] * dq_acc.shape[3]
+        else:
+            assert dq_acc.shape[1] == lse2.shape[2]
         assert (left >= 0, right >= 0) == window_sides and bool(softcap) == softcap_on
         q, k, v, dout, lse2, delta, dq_acc, dk, dv = (
             t[0] for t in (q, k, v, dout, lse2, delta, dq_acc, dk, dv)
@@ -797,9 +805,11 @@ def varlen_kernel(
             p = torch.where(seen, torch.exp2(s * math.log2(math.e) - lse_rows[..., None]), 0.0)
             dp = torch.einsum("qhd,khd->hqk", do, vv)
             ds = p * (dp - d_rows[..., None]) * dtanh
-            dq_acc[p0 : p0 + rows] += (
-                torch.einsum("hqk,khd->qhd", ds, kk) * (1.0 if dq_unscaled else scale)
-            ).float()
+            dq_part = (torch.einsum("hqk,khd->qhd", ds, kk) * (1.0 if dq_unscaled else scale)).float()
+            if dq_fragments:
+                add_fragments(dq_acc[p0 : p0 + rows][None], dq_part[None], tile)
+            else:
+                dq_acc[p0 : p0 + rows] += dq_part
             dk_heads = torch.einsum("hqk,qhd->khd", ds, qq) * scale
             dv_heads = torch.einsum("hqk,qhd->khd", p, do)
             if not atomic:
@@ -821,10 +831,13 @@ def varlen_kernels(monkeypatch):
         keys.append(key)
         assert key[4] == 2 and key[10] is True  # version 2, varlen
         return binding_checked(
-            key, varlen_kernel(launches, key[6], key[2], key[7:9], key[9], key[11], key[13])
+            key, varlen_kernel(launches, key[6], key[2], key[7:9], key[9], key[11], key[13], key[14])
         )
 
     monkeypatch.setattr(sm90_bwd, "compile_bwd", compile_bwd)
+    # dQ's un-permute by torch on these CPU tensors (`VARLEN_DQ_FRAGMENTS`; the mapped kernel's
+    # stand-in: `test_varlen_dq_fragments_kernel_host`)
+    monkeypatch.setattr(sm90_bwd, "DQ_UNFRAGMENT_KERNEL", False)
     stub_preprocess(monkeypatch)
     stub_dq_gather(monkeypatch, [])
     return launches, keys
@@ -1252,6 +1265,81 @@ def test_d128_query_tile_80_pads_whole_blocks(kernels, monkeypatch, deterministi
     assert keys[-1][11] == 64  # so does a window
 
 
+@pytest.mark.parametrize(
+    "d, causal, tile", [(64, False, T64), (64, True, T64), (128, False, 80), (128, True, 64)],
+    ids=["d64", "d64-causal", "d128-tile80", "d128-causal-tile64"],
+)  # fmt: skip
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_varlen_dq_fragments(varlen_kernels, monkeypatch, d, causal, tile, deterministic):
+    # `VARLEN_DQ_FRAGMENTS`: dQacc per head in whole blocks of the padded rows (its own row count:
+    # a multiple of the tile), each sequence added in fragment order from its padded start; torch's
+    # un-permute and the packed rows' gather give the reference's gradients (empty sequences, one
+    # of a single row, rows past the last sequence in q).
+    from hopper_fmha.reference import reference_varlen
+
+    monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_FRAGMENTS", True)
+    launches, keys = varlen_kernels
+    lq, lk = [70, 0, 1, 130], [90, 5, 0, 128]
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs(lq, lk, d=d, causal=causal)
+    grads = sm90_bwd.backward_varlen(
+        q, k, v, out, dout, lse, cu_q, cu_k, 130, 128, d**-0.5, causal, deterministic=deterministic
+    )
+    assert keys[-1][11] == tile and keys[-1][14] is True
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference_varlen(*leaves, cu_q, cu_k, softmax_scale=d**-0.5, causal=causal, dtype=torch.float64)
+    for ours, r in zip(grads, torch.autograd.grad(o, leaves, dout.double()), strict=True):
+        assert ours.shape == r.shape and ours.is_contiguous()
+        torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("d, causal, tile", [(64, False, T64), (128, False, 80), (128, True, 64)])
+def test_varlen_dq_fragments_kernel_host(varlen_kernels, monkeypatch, d, causal, tile):
+    # `VARLEN_DQ_FRAGMENTS` with `DQ_UNFRAGMENT_KERNEL`: the mapped `dq_unfragment` kernel (here a
+    # torch stand-in behind its binding's checks placing each unit by `unit_place` and
+    # `value_offset`, then the row map) gives torch's path's dq bit for bit; its row map sends
+    # padding rows nowhere (-1) and every packed row from one padded row.
+    from hopper_fmha.kernels import dq_unfragment
+
+    calls = []
+
+    def compile_dq_unfragment(dtype_name, head_dim, tile_m, mapped):
+        fake = dq_unfragment.fake_arguments(dtype_name, head_dim, mapped)
+        per_block = tile_m * head_dim // 4
+        places = [dq_unfragment.unit_place(u, tile_m, head_dim) for u in range(per_block)]
+
+        def run(acc, dq, scale, rows_map):
+            assert mapped and dq.shape[0] == 1
+            assert_binds((fake[0], fake[1], fake[3]), (acc, dq, rows_map), "dq_unfragment")
+            calls.append((tile_m, scale))
+            h = dq.shape[2]
+            units = acc.view(h, -1, per_block, 2, 2)  # (h, block, unit, h2, e)
+            full = torch.zeros(units.shape[1] * tile_m, h, head_dim)
+            for block in range(units.shape[1]):
+                for u, (_, row, col) in enumerate(places):
+                    for h2 in range(2):
+                        for e in range(2):
+                            dr, dc = dq_unfragment.value_offset(h2, e, tile_m)
+                            full[block * tile_m + row + dr, :, col + dc] = units[:, block, u, h2, e]
+            valid = rows_map >= 0
+            assert sorted(rows_map[valid].tolist()) == list(range(dq.shape[1]))
+            dq[0, rows_map[valid].long()] = (full[valid] * scale).to(dq.dtype)
+
+        return run
+
+    monkeypatch.setattr(dq_unfragment, "_compiled", {})
+    monkeypatch.setattr(dq_unfragment, "compile_dq_unfragment", compile_dq_unfragment)
+    monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_FRAGMENTS", True)
+    q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs([7, 0, 1, 13], [9, 5, 0, 12], d=d, causal=causal)
+    args = (q, k, v, out, dout, lse, cu_q, cu_k, 13, 12, d**-0.5, causal)
+    before = sm90_bwd.backward_varlen(*args)
+    assert not calls
+    monkeypatch.setattr(sm90_bwd, "DQ_UNFRAGMENT_KERNEL", True)
+    after = sm90_bwd.backward_varlen(*args)
+    assert [t for t, _ in calls] == [tile]
+    for a, b in zip(before, after, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_varlen_query_tile_80_starts_on_whole_blocks(varlen_kernels, monkeypatch):
     # Packed sequences with the 80-row tile: each sequence's padded start a multiple of 80 (the
     # stand-in asserts 16-byte starts), gradients as the reference's.
@@ -1332,15 +1420,17 @@ def test_dq_unfragment_kernel_host(kernels, monkeypatch, d, causal, tile, unscal
 
     calls = []
 
-    def compile_dq_unfragment(dtype_name, head_dim, tile_m):
+    def compile_dq_unfragment(dtype_name, head_dim, tile_m, mapped):
+        assert not mapped
         fake = dq_unfragment.fake_arguments(dtype_name, head_dim)
         per_block = tile_m * head_dim // 4
         places = [dq_unfragment.unit_place(u, tile_m, head_dim) for u in range(per_block)]
         rows = torch.tensor([r for _, r, _ in places])
         cols = torch.tensor([c for _, _, c in places])
 
-        def run(acc, dq, scale):
+        def run(acc, dq, scale, rows_map):
             assert_binds(fake[:2], (acc, dq), "dq_unfragment")
+            assert rows_map is None
             calls.append((tile_m, scale))
             b, sq, h, _ = dq.shape
             units = acc.view(b, h, -1, per_block, 2, 2)  # (b, h, block, unit, h2, e)

@@ -470,6 +470,31 @@ def test_lpt_order_compiles(monkeypatch, d, tile):
     assert stacks[4, False] == stacks[0, False]
 
 
+# `sm90_bwd.VARLEN_DQ_FRAGMENTS` (session 35): the varlen kernels' dQ in fragment order, added from
+# each sequence's padded start: one 1-D bulk reduce-add per warpgroup (UBLKRED) instead of the TMA
+# reduce-add, no more stack than without, at d128 tile 80 and causal tile 64, d64 tile 128 and the
+# wide d256.
+@pytest.mark.parametrize(
+    "d, causal, tile", [(128, False, 80), (128, True, 64), (64, False, 128), (256, True, 64)],
+    ids=["d128-tile80", "d128-causal", "d64", "wide-d256-causal"],
+)  # fmt: skip
+def test_varlen_dq_fragments_compile(d, causal, tile):
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    cubins = []
+    for fragments in (False, True):
+        with tempfile.TemporaryDirectory() as dump:
+            cubins.append(
+                compile_bwd(
+                    "bfloat16", d, causal, False, varlen=True, tile_m=tile, head_dim_v=d,
+                    dq_writer=True, dq_fragments=fragments, options=f"--keep-cubin --dump-dir={dump}",
+                ).artifacts.CUBIN
+            )  # fmt: skip
+    plain, frag = (sass_or_skip(c) for c in cubins)
+    assert "UBLKRED.G.S.ADD.F32" in frag and "UTMAREDG" not in frag and "UTMAREDG" in plain
+    assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])
+
+
 WRITER_CASES = {
     # (d, causal, tile_m, rotate, fragments, varlen, dv)
     "d128-tile80": (128, False, 80, False, False, False, None),
@@ -627,7 +652,8 @@ def test_exp_early_moves_exponentials_after_the_dp_wait(monkeypatch, early):
     "dtype, d, tile",
     [("bfloat16", 64, 128), ("float16", 128, 64), ("bfloat16", 64, 64), ("float16", 128, 80)],
 )
-def test_dq_unfragment_kernel_compiles(dtype, d, tile):
+@pytest.mark.parametrize("mapped", [False, True], ids=["dense", "mapped"])
+def test_dq_unfragment_kernel_compiles(dtype, d, tile, mapped):
     # `dq_unfragment` (`sm90_bwd.DQ_UNFRAGMENT_KERNEL`): each thread's loads first (in batches of
     # up to 16), one 16-byte load per 512-float chunk of the block (tile * d / 512 of them), then
     # two 4-byte stores per chunk (tile 80, transposed: four 2-byte stores); no stack, few
@@ -636,12 +662,14 @@ def test_dq_unfragment_kernel_compiles(dtype, d, tile):
 
     with tempfile.TemporaryDirectory() as dump:
         cubin = compile_dq_unfragment(
-            dtype, d, tile, options=f"--keep-cubin --dump-dir={dump}"
+            dtype, d, tile, mapped, options=f"--keep-cubin --dump-dir={dump}"
         ).artifacts.CUBIN
     text = sass_or_skip(cubin)
     chunks = tile * d // 512
     store = "STG.E.U16 " if tile == 80 else "STG.E "
     assert text.count("LDG.E.128") == chunks and text.count(store) == (4 if tile == 80 else 2) * chunks
+    # mapped (`unfragment_dq_rows`, the varlen backward): each row's destination, a 4-byte load
+    assert ("LDG.E " in text) == mapped
     batch = load_batch(chunks)
     for first in range(0, chunks, batch):  # each batch's loads before its first store
         loads = [i for i in range(len(text)) if text.startswith("LDG.E.128", i)][first : first + batch]

@@ -959,6 +959,52 @@ def test_lpt_order_features(hopper_gpu, lpt_heads, d, feature):
     test_score_features_backward(hopper_gpu, torch.bfloat16, False, d, feature, (1023, 1024), "gqa")
 
 
+# The varlen backward's dQ in fragment order (`sm90_bwd.VARLEN_DQ_FRAGMENTS`, session 35, off): every
+# varlen case at d64 (tile 128), d128 (80, causal 64), d256 (wide), MHA and GQA, fp16, bf16 and
+# deterministic; and the mapped `dq_unfragment` kernel against torch's un-permute and gather.
+@pytest.fixture
+def varlen_fragments(wide, monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_FRAGMENTS", True)
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype, deterministic", MODES, ids=MODE_IDS)
+def test_varlen_dq_fragments(hopper_gpu, varlen_fragments, dtype, deterministic, d, case, heads):
+    test_varlen_backward(hopper_gpu, dtype, deterministic, d, case, heads)
+
+
+@pytest.mark.parametrize("tile_m, d", [(128, 64), (64, 128), (80, 128), (64, 256)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_dq_unfragment_rows_matches_torch(hopper_gpu, monkeypatch, dtype, tile_m, d):
+    # `unfragment_dq_rows` (the mapped kernel) against torch's un-permute of every padded row, then
+    # the packed rows' gather, on a random buffer with padded starts of random lengths.
+    from hopper_fmha.kernels import sm90_bwd
+    from hopper_fmha.kernels.dq_unfragment import unfragment_dq_rows
+
+    monkeypatch.setattr(sm90_bwd, "DQ_UNFRAGMENT_KERNEL", False)  # (torch's pass as the reference)
+
+    g = torch.Generator(device="cuda").manual_seed(tile_m + d)
+    lengths = torch.tensor([0, 1, 200, tile_m, 3 * tile_m + 7, 0, 50])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).cuda()
+    total_q = int(cu[-1])
+    rows = torch.arange(total_q, device="cuda")
+    seq = torch.searchsorted(cu[1:], rows, right=True)
+    padded = sm90_bwd.padded_starts(cu, tile_m)[seq] + rows - cu[seq]
+    frag_rows = -(-(total_q + tile_m * len(lengths)) // tile_m) * tile_m
+    buf = torch.randn(6, frag_rows, d, device="cuda", generator=g)
+    dest = torch.full((frag_rows,), -1, device="cuda", dtype=torch.int32)
+    dest[padded] = torch.arange(total_q, device="cuda", dtype=torch.int32)
+    for scale in (None, 0.3):
+        ours = unfragment_dq_rows(buf, dest, total_q, dtype, scale, tile_m)
+        with torch.no_grad():
+            ref = sm90_bwd.dq_from_fragments(buf[None], frag_rows, dtype, scale, tile_m)[0][padded]
+        assert ours.shape == ref.shape == (total_q, 6, d) and torch.equal(ours, ref)
+
+
 # The varlen dQ's scale, cast and gather by one kernel (`sm90_bwd.VARLEN_DQ_GATHER`) is on since
 # session 29 (`test_varlen_backward` runs it); torch's cast-then-gather path it replaced, still
 # there behind the switch, here: every varlen case at d64 and d128 (tiles 128, 80, 64), MHA and GQA,

@@ -31,7 +31,7 @@ from typing import Any
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 from .cache import load_or_compile
 
@@ -93,28 +93,40 @@ class DqUnfragmentSm90:
     4 t .. 4 t + 3 of each chunk (a warp: 512 contiguous bytes) and writes them as two pairs
     (tile 80: four single values)."""
 
-    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int):
+    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int, mapped: bool = False):
         assert tile_m in TILES and head_dim % 16 == 0 and 16 <= head_dim <= 256, (tile_m, head_dim)
         assert tile_m != 80 or head_dim == 128, "tile 80 is d128's"  # (`sm90_bwd.fragment_dims`)
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.chunks = tile_m * head_dim // (4 * THREADS)
+        self.mapped = mapped
 
     @cute.jit
-    def __call__(self, mAcc: cute.Tensor, mDq: cute.Tensor, scale: Float32, stream: cuda.CUstream):
+    def __call__(
+        self, mAcc: cute.Tensor, mDq: cute.Tensor, scale: Float32, mRows: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):  # fmt: skip
         """mAcc (n,) float32, 16-byte aligned, n = batch * heads * blocks * tile_m * head_dim with
         blocks * tile_m >= seqlen; mDq (batch, seqlen, heads, head_dim) self.dtype, last mode
-        contiguous."""
-        self.kernel(mAcc, mDq, scale).launch(
+        contiguous. `mapped` (the varlen backward's padded rows): batch 1, and row s of the
+        accumulator's (blocks * tile_m) goes to dq row mRows[s] (int32; negative: nowhere)."""
+        self.kernel(mAcc, mDq, scale, mRows).launch(
             grid=[mAcc.shape[0] // (self.tile_m * self.head_dim), 1, 1],
             block=[THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
 
+    def dest_row(self, s, b, seqlen, mRows):
+        """(dq's batch and row for accumulator row s of batch b, whether it has one)."""
+        if self.mapped:
+            row = mRows[s]
+            return 0, row, row >= 0
+        return b, s, s < seqlen
+
     @cute.kernel
-    def kernel(self, mAcc: cute.Tensor, mDq: cute.Tensor, scale: Float32):
+    def kernel(self, mAcc: cute.Tensor, mDq: cute.Tensor, scale: Float32, mRows: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         batch, seqlen, heads, _ = mDq.shape
@@ -139,9 +151,9 @@ class DqUnfragmentSm90:
                 if const_expr(self.tile_m == 80):
                     # transposed: value 2 h2 + e at row + e, column + 8 h2; 2-byte stores
                     for e in cutlass.range_constexpr(2):
-                        s = m * self.tile_m + row0 + grow + e
-                        if s < seqlen:
-                            gRow = mDq[b, s, h, None]
+                        bb, row, valid = self.dest_row(m * self.tile_m + row0 + grow + e, b, seqlen, mRows)
+                        if valid:
+                            gRow = mDq[bb, row, h, None]
                             for c in cutlass.range_constexpr(batch_chunks):
                                 if const_expr(places[c][0] == row0):
                                     for h2 in cutlass.range_constexpr(2):
@@ -149,9 +161,11 @@ class DqUnfragmentSm90:
                                         gRow[col] = (acc[c, 2 * h2 + e] * scale).to(self.dtype)
                 else:
                     for h2 in cutlass.range_constexpr(2):
-                        s = m * self.tile_m + row0 + grow + 8 * h2
-                        if s < seqlen:
-                            gRow = mDq[b, s, h, None]
+                        bb, row, valid = self.dest_row(
+                            m * self.tile_m + row0 + grow + 8 * h2, b, seqlen, mRows
+                        )
+                        if valid:
+                            gRow = mDq[bb, row, h, None]
                             for c in cutlass.range_constexpr(batch_chunks):
                                 if const_expr(places[c][0] == row0):
                                     pair[0] = (acc[c, 2 * h2] * scale).to(self.dtype)
@@ -160,9 +174,10 @@ class DqUnfragmentSm90:
                                     cute.autovec_copy(pair, cute.local_tile(gRow, (2,), (col // 2,)))
 
 
-def fake_arguments(dtype_name: str, head_dim: int):
-    """Compile-time stand-ins for (acc, dq, scale, stream): sizes symbolic, dq's strides multiples
-    of 8 elements, the accumulator 16-byte aligned."""
+def fake_arguments(dtype_name: str, head_dim: int, mapped: bool = False):
+    """Compile-time stand-ins for (acc, dq, scale, rows, stream): sizes symbolic, dq's strides
+    multiples of 8 elements, the accumulator 16-byte aligned; rows (`mapped`) int32 contiguous,
+    else None."""
     n = cute.sym_int64(divisibility=4)
     b, s, h = (cute.sym_int() for _ in range(3))
 
@@ -173,18 +188,34 @@ def fake_arguments(dtype_name: str, head_dim: int):
     dq = cute.runtime.make_fake_tensor(
         _DTYPES[dtype_name], (b, s, h, head_dim), stride=(by8(), by8(), by8(), 1), assumed_align=16
     )
+    rows = None
+    if mapped:
+        rows = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return acc, dq, Float32(1.0), stream
+    return acc, dq, Float32(1.0), rows, stream
 
 
-def compile_dq_unfragment(dtype_name: str, head_dim: int, tile_m: int, *, options: str = ""):
+def compile_dq_unfragment(
+    dtype_name: str, head_dim: int, tile_m: int, mapped: bool = False, *, options: str = ""
+):
     """Compile for sm_90a with TVM-FFI; no GPU needed (`options`: e.g. "--keep-cubin --dump-dir=DIR")."""
-    kernel = DqUnfragmentSm90(_DTYPES[dtype_name], head_dim, tile_m)
+    kernel = DqUnfragmentSm90(_DTYPES[dtype_name], head_dim, tile_m, mapped)
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
-    return cute.compile(kernel, *fake_arguments(dtype_name, head_dim), options=opts)
+    return cute.compile(kernel, *fake_arguments(dtype_name, head_dim, mapped), options=opts)
 
 
-_compiled: dict[tuple[str, int, int], Any] = {}
+_compiled: dict[tuple[str, int, int, bool], Any] = {}
+
+
+def _kernel(dtype, head_dim: int, tile_m: int, mapped: bool):
+    key = (str(dtype).removeprefix("torch."), head_dim, tile_m, mapped)
+    fn = _compiled.get(key)
+    if fn is None:
+        modules = (sys.modules[__name__],)
+        fn = _compiled[key] = load_or_compile(
+            "dq_unfragment", key, modules, lambda: compile_dq_unfragment(*key)
+        )
+    return fn
 
 
 def unfragment_dq(buf, seqlen_q: int, dtype, scale: float | None, tile_m: int):
@@ -198,12 +229,23 @@ def unfragment_dq(buf, seqlen_q: int, dtype, scale: float | None, tile_m: int):
     dq = torch.empty(b, seqlen_q, h, d, device=buf.device, dtype=dtype)
     if dq.numel() == 0:
         return dq
-    key = (str(dtype).removeprefix("torch."), d, tile_m)
-    fn = _compiled.get(key)
-    if fn is None:
-        modules = (sys.modules[__name__],)
-        fn = _compiled[key] = load_or_compile(
-            "dq_unfragment", key, modules, lambda: compile_dq_unfragment(*key)
-        )
-    fn(buf.view(-1), dq, 1.0 if scale is None else float(scale))
+    fn = _kernel(dtype, d, tile_m, False)
+    fn(buf.view(-1), dq, 1.0 if scale is None else float(scale), None)
+    return dq
+
+
+def unfragment_dq_rows(buf, rows, total_q: int, dtype, scale: float | None, tile_m: int):
+    """dQ (total_q, h, d) in `dtype`, contiguous, from the varlen backward's fragment-ordered fp32
+    `buf` (h, blocks * tile_m, d), contiguous, its rows the padded ones (`sm90_bwd.padded_starts`),
+    times scale (None: 1): row s goes to dq row rows[s] (int32 (blocks * tile_m,); negative for
+    padding), every dq row from exactly one s."""
+    import torch
+
+    h, padded, d = buf.shape
+    assert buf.is_contiguous() and padded % tile_m == 0 and rows.shape == (padded,)
+    dq = torch.empty(total_q, h, d, device=buf.device, dtype=dtype)
+    if dq.numel() == 0:
+        return dq
+    fn = _kernel(dtype, d, tile_m, True)
+    fn(buf.view(-1), dq[None], 1.0 if scale is None else float(scale), rows)
     return dq

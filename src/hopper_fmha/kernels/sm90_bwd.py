@@ -847,6 +847,15 @@ def _sm_count(device) -> int:
     return device_sm_count(device.index)  # (a tensor's CUDA device always has its index)
 
 
+# The varlen backward's dQ in fragment order too (session 35, built, not yet run on a GPU; off): at
+# the query tiles of `DQ_FRAGMENTS` (the wide kernel: `DQ_FRAGMENTS_WIDE`), dQacc per head in whole
+# blocks of the padded rows, each sequence's blocks from its padded start (a multiple of tile_m),
+# and `dq_unfragment`'s kernel with a row map (padded row -> packed row, -1 for padding) puts dQ
+# back in order, scaled and cast, in place of `dq_gather`. Predicted: the dense gains of session
+# 35 (d128 tile 80 +3%, causal tile 64 +9%) on the varlen backward (0.93x / 0.91x FA4 in v35).
+VARLEN_DQ_FRAGMENTS = False
+
+
 def padded_starts(cu_seqlens_q, tile_m: int):
     """Where each sequence's rows start in the varlen backward's padded query-side buffers:
     (cu_seqlens_q[b] + tile_m * b) rounded down to a multiple of tile_m. Sequence b's query blocks
@@ -1177,10 +1186,16 @@ def backward_varlen(
     lse2 = torch.full((heads, total_pad), float("inf"), device=device, dtype=torch.float32)
     delta[:, padded] = delta_rows
     lse2[:, padded] = torch.where(in_sequence, l2_rows, float("inf"))
-    dq_acc = torch.zeros(total_pad, heads, d, device=device, dtype=torch.float32)
+    wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head
+    dq_fragments = VARLEN_DQ_FRAGMENTS and (DQ_FRAGMENTS_WIDE if wide else tile_switch(DQ_FRAGMENTS, tile_m))
+    if dq_fragments:  # per head, whole blocks of the padded rows (blocks start on multiples of tile_m)
+        frag_rows = -(-total_pad // tile_m) * tile_m
+        frag = torch.zeros(heads, frag_rows, d, device=device, dtype=torch.float32)
+        dq_acc = frag.transpose(0, 1)
+    else:
+        dq_acc = torch.zeros(total_pad, heads, d, device=device, dtype=torch.float32)
     group = heads // kv_heads
     mha = group == 1
-    wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head
     atomic = not mha and not deterministic and not wide
     # Zeroed: keys past max_seqlen_k (a max_seqlen_k below the truth) get no CTA.
     dkv_dtype = q.dtype if mha else torch.float32
@@ -1200,7 +1215,7 @@ def backward_varlen(
         tile_m,
         rotates(deterministic, 2, causal, left, right, max_seqlen_k, device, d, d_v),
         dq_unscaled,
-        False,  # dq_fragments: dense only
+        dq_fragments,
         d_v,
         writer,
         1,  # dq_chains: dense only
@@ -1216,7 +1231,15 @@ def backward_varlen(
         dk = dk.view(total_k, kv_heads, group, d).sum(2)
         dv = dv.view(total_k, kv_heads, group, d_v).sum(2)
     dq_scale = softmax_scale if dq_unscaled else None
-    if VARLEN_DQ_GATHER:
+    if dq_fragments and DQ_UNFRAGMENT_KERNEL:  # put in order, scaled, cast and gathered by one kernel
+        from .dq_unfragment import unfragment_dq_rows
+
+        dest = torch.full((frag_rows,), -1, device=device, dtype=torch.int32)
+        dest[padded] = torch.arange(total_q, device=device, dtype=torch.int32)
+        dq = unfragment_dq_rows(frag, dest, total_q, q.dtype, dq_scale, tile_m)
+    elif dq_fragments:  # torch's un-permute of every padded row, then the packed rows
+        dq = dq_from_fragments(frag[None], frag_rows, q.dtype, dq_scale, tile_m)[0][padded]
+    elif VARLEN_DQ_GATHER:
         from .dq_gather import gather_dq
 
         dq = gather_dq(dq_acc, padded, q.dtype, dq_scale)

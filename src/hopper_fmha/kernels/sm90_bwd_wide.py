@@ -131,9 +131,9 @@ class BwdWideSm90(BwdWsSm90):
         self.tile_m = TILE_M
         self.dq_unscaled = dq_unscaled
         # dQ as `sm90_bwd_ws` at tile_m 64: warpgroup w adds columns [d/2 w, d/2 (w + 1)) of a block;
-        # with dq_fragments (dense, `sm90_bwd.DQ_FRAGMENTS_WIDE`) staged in the accumulator's order
-        # and added by one 1-D bulk reduce-add onto the warpgroup's half of the block's fragments.
-        assert not (dq_fragments and varlen), "dq_fragments: dense"
+        # with dq_fragments (`sm90_bwd.DQ_FRAGMENTS_WIDE`, varlen: `VARLEN_DQ_FRAGMENTS`) staged in the
+        # accumulator's order and added by one 1-D bulk reduce-add onto the warpgroup's half of the
+        # block's fragments.
         self.dq_fragments = dq_fragments
         self.dq_by_rows = False
         self.dq_swapped = False

@@ -310,7 +310,6 @@ class BwdWsSm90(BwdSm90):
         self.tile_m = tile_m
         self.dq_unscaled = dq_unscaled  # `BwdSm90`'s: no softmax scale on dQ's parts
         # dQ leaves in fragment order (`stage_dq`, `issue_dq`): dense (`sm90_bwd.DQ_FRAGMENTS`).
-        assert not (dq_fragments and varlen), "dq_fragments: dense"
         self.dq_fragments = dq_fragments
         self.dq_writer = dq_writer
         self.set_dq_writer(dq_chains, dq_writer_warps)
@@ -1306,7 +1305,7 @@ class BwdWsSm90(BwdSm90):
         warpgroup's contiguous half of the block, the host laying dQacc out per head); store: a
         plain store instead (`dq_store_first`; tma_atom_dQ then the store atom)."""
         if const_expr(self.dq_fragments):
-            gdQ = mdQacc[None, None, head, batch]
+            gdQ = self.padded_rows(mdQacc, head, batch, seqlen)  # (varlen: from its padded start)
             count = cute.size(sdQ, mode=[0]) * cute.size(sdQ, mode=[1]) * cute.size(sdQ, mode=[2])
             dst = gdQ.iterator + cute.crd2idx((m_block * self.tile_m, 0), gdQ.layout) + wg * count
             if const_expr(store):  # (`dq_store_first`)
