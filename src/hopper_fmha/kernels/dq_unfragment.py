@@ -1,5 +1,6 @@
-"""The dense backward's last step with `sm90_bwd.DQ_FRAGMENTS`: dQ in order, scaled and cast to
-16 bits, from the fp32 accumulator that the main kernel adds in its fragment order.
+"""The backward's last step with `sm90_bwd.DQ_FRAGMENTS` (and `DQ_FRAGMENTS_WIDE`,
+`VARLEN_DQ_FRAGMENTS`): dQ in order, scaled and cast to 16 bits, from the fp32 accumulator that the
+main kernel adds in its fragment order.
 
 `sm90_bwd.dq_from_fragments` does this with one torch elementwise pass from a permuted view of the
 accumulator. Torch runs that pass with its general strided kernel: 0.159 ms at d64 (B4 N4096 H32
@@ -19,8 +20,11 @@ queries (J = 10), so a thread's values land as four 2-byte stores (a warp's stor
 
 Memory-bound, no TMA, no shared memory: a CTA per (batch, head, block), its thread t taking
 floats 4 t .. 4 t + 3 of each of the block's 512-float chunks, whose place in dQ is a compile-time
-offset plus the thread's own. Compile-time: dtype, head_dim, tile_m; batch, heads, blocks and
-seqlen_q are runtime values (rows past seqlen_q, the last block's padding, are not written).
+offset plus the thread's own. Compile-time: dtype, head_dim, tile_m, mapped; batch, heads, blocks
+and seqlen_q are runtime values (rows past seqlen_q, the last block's padding, are not written).
+Mapped (`unfragment_dq_rows`, the varlen backward): one batch of padded rows, each sequence's from
+its padded start, and an int32 map from padded row to packed row (-1: padding, not written), so
+that the un-permute, scale, cast and gather are one pass.
 """
 
 from __future__ import annotations
