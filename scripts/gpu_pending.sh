@@ -17,11 +17,12 @@
 #      (GPU tests now seed torch per test id; dsink's floor is the inputs' rounding; the new
 #      `dq_laps` and `lpt_order` tests) in three shards on GPUs 0, 2, 3 (~6-7 min); on GPU 1
 #      `bwd_profile --ab`: dq-laps off/on at d256 deterministic (and the plain rate beside it),
-#      lpt-heads 0/4/8 at d128, d64 and d256 causal, varlen-dq-fragments off/on at d128 varlen
-#      (24 sequences) and causal (~8 min). x4 machine.
+#      lpt-heads 0/4/8 at d128 and d64 causal (~5 min). x4 machine.
 #   29 for what 28 shows wins: the backward preset (fp16, bf16) with DQ_LAPS on and LPT_HEADS at
 #      ${LPT:-4} (sed on a copy; LPT=0 or LAPS=False leaves one off), ~4 min; VARLEN_DQ_FRAGMENTS
-#      is measured by part 28's A/B and `--preset backward-features`
+#      is measured by part 30's A/B and `--preset backward-features`
+#   30 `bwd_profile --ab`: lpt-heads 0/4 at d256 causal; varlen-dq-fragments off/on at d128 varlen
+#      (24 sequences), causal, and d64 (~5 min; beside part 29 on another GPU)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -52,13 +53,20 @@ if [ "$part" = 28 ]; then
      $P --d 256 --heads 8 --wide --ab dq-laps=off
      $P --d 128 --heads 16 --causal --ab lpt-heads=0 lpt-heads=4 lpt-heads=8
      $P --d 64 --heads 32 --causal --ab lpt-heads=0 lpt-heads=4 lpt-heads=8
-     $P --d 256 --heads 8 --wide --causal --ab lpt-heads=0 lpt-heads=4
-     $P --d 128 --heads 16 --varlen 24 --ab varlen-dq-fragments=off varlen-dq-fragments=on
-     $P --d 128 --heads 16 --varlen 24 --causal --ab varlen-dq-fragments=off varlen-dq-fragments=on
     ) 2>&1 | grep TFLOP > "$OUT/ab28.txt" &
     wait
     for g in 0 2 3; do tail -1 "$OUT/tier$g.log"; grep -h "^FAILED" /tmp/tier$g/report*.txt | head -10; done
     cat "$OUT/ab28.txt"
+    exit 0
+fi
+
+if [ "$part" = 30 ]; then  # one GPU, or beside part 29 on another (CUDA_VISIBLE_DEVICES)
+    P="timeout 150 python scripts/bwd_profile.py --rounds 8"
+    ($P --d 256 --heads 8 --wide --causal --ab lpt-heads=0 lpt-heads=4
+     $P --d 128 --heads 16 --varlen 24 --ab varlen-dq-fragments=off varlen-dq-fragments=on
+     $P --d 128 --heads 16 --varlen 24 --causal --ab varlen-dq-fragments=off varlen-dq-fragments=on
+     $P --d 64 --heads 32 --varlen 24 --ab varlen-dq-fragments=off varlen-dq-fragments=on
+    ) 2>&1 | grep TFLOP | tee "$OUT/ab30.txt"
     exit 0
 fi
 
