@@ -87,13 +87,13 @@ def test_backward_matches_reference(hopper_gpu, version, dtype, d, causal, seqle
 AUTOGRAD_SEQLENS = [(1, 1), (113, 203), (239, 1), (1023, 1024)]
 
 
-def check_sink_grad(ours, ref, base, dtype):
-    """The sink's gradient, by the rule of `check_grads`, its floor the inputs' rounding (at least
-    1e-3): it is a sum of rowsum(dO * O) with O and dO in `dtype` (session 35: bf16 d64 sink
-    1000x128 deterministic, error 0.0042 against 2 * 0.0010 + 1e-3 under a floor of 1e-3)."""
+def check_sink_grad(ours, ref, base):
+    """The sink's gradient, by the rule of `check_grads` (float32 sink, floor 1e-3). Open (session
+    35): bf16 d64 sink 1000x128 deterministic once measured 0.0042 against 0.0030 with an unseeded
+    dout (the sink's gradient sums rowsum(dO * O) over O rounded to bf16); compare FA4's error on the
+    same case before deciding the floor."""
     err = (ours.double() - ref).abs().max().item()
-    floor = max(1e-3, torch.finfo(dtype).eps)
-    tol = 2 * (base.double() - ref).abs().max().item() + floor * max(1.0, ref.abs().max().item())
+    tol = 2 * (base.double() - ref).abs().max().item() + 1e-3 * max(1.0, ref.abs().max().item())
     assert err <= tol, f"dsink: error {err:.3g} > {tol:.3g}"
 
 
@@ -215,7 +215,7 @@ def test_score_features_backward(
     check_grads(ours[:3], ref[:3], base[:3], dtype)
     if sink is not None:
         assert ours[3].shape == sink.shape and ours[3].dtype == sink.dtype
-        check_sink_grad(ours[3], ref[3], base[3], dtype)
+        check_sink_grad(ours[3], ref[3], base[3])
     if deterministic:
         check_repeats_bitwise(ours, out, inputs, dout)
 
@@ -585,7 +585,7 @@ def test_varlen_backward(hopper_gpu, dtype, deterministic, d, case, heads, dv: i
     ref, base = per_dtype[torch.float64], per_dtype[dtype]
     check_grads(ours[:3], ref[:3], base[:3], dtype)
     if sink is not None:
-        check_sink_grad(ours[3], ref[3], base[3], dtype)
+        check_sink_grad(ours[3], ref[3], base[3])
     if deterministic:
         check_repeats_bitwise(ours, out, inputs, dout)
 
