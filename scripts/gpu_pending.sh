@@ -29,16 +29,6 @@ OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
 part=${1:-28}
 
-tier() {  # name, budget (s), -k expression, test files...: true when nothing failed or hung
-    local name=$1 budget=$2 expr=$3
-    shift 3
-    python scripts/gpu_tier.py --out "/tmp/pending-$name" --archive "$OUT/$name.tar.gz" --procs 15 \
-        --budget "$budget" --stall 120 --chunked -k "$expr" "$@" > "$OUT/$name.log" 2>&1
-    tail -1 "$OUT/$name.log"
-    grep -h "^FAILED" /tmp/pending-"$name"/report*.txt | head -10
-    grep -q "'failures': 0, 'hung': 0" <(tail -1 "$OUT/$name.log")
-}
-
 if [ "$part" = 28 ]; then
     python -m pytest --collect-only -q tests/test_gpu_backward.py 2>/dev/null | grep "::" > /tmp/ids.txt
     for g in 0 2 3; do

@@ -60,6 +60,29 @@ def add_fragments(dq_acc, part, tile: int):
             buf[bi, hi].index_add_(0, index, part[bi, :, hi].reshape(-1).to(buf.dtype))
 
 
+def unfragment_by_map(acc, b: int, h: int, tile_m: int, head_dim: int):
+    """`dq_unfragment`'s kernel as its own map says (`unit_place`, `value_offset`): the fp32
+    accumulator (b, h, blocks * tile_m, head_dim) in fragment order -> (b, blocks * tile_m, h,
+    head_dim) in order, for the kernel's torch stand-ins."""
+    from hopper_fmha.kernels import dq_unfragment
+
+    per_block = tile_m * head_dim // 4
+    places = [dq_unfragment.unit_place(u, tile_m, head_dim) for u in range(per_block)]
+    rows = torch.tensor([r for _, r, _ in places])
+    cols = torch.tensor([c for _, _, c in places])
+    units = acc.view(b, h, -1, per_block, 2, 2)  # (b, h, block, unit, h2, e)
+    blocks = units.shape[2]
+    full = torch.zeros(b, blocks * tile_m, h, head_dim)
+    for h2 in range(2):
+        for e in range(2):
+            dr, dc = dq_unfragment.value_offset(h2, e, tile_m)
+            r = (torch.arange(blocks)[:, None] * tile_m + rows + dr).reshape(-1)
+            full[:, r, :, (cols + dc).repeat(blocks)] = (
+                units[..., h2, e].reshape(b, h, -1).permute(2, 0, 1)  # (the indexed mode first)
+            )
+    return full
+
+
 def dense_kernel(
     launches,
     atomic: bool,
@@ -318,6 +341,15 @@ def test_fragment_order_round_trip(monkeypatch, tile, d):
     assert torch.equal(scaled, (dense[:, : rows - 9] * 0.5).to(torch.bfloat16))
 
 
+def test_dq_unfragment_supports():
+    # The tiles and head dims `dq_from_fragments` hands to the kernel (`dq_unfragment.supports`):
+    # 64 and 128 at multiples of 16, 80 at d128 alone (its transposed map); else torch's pass.
+    from hopper_fmha.kernels.dq_unfragment import supports
+
+    assert all(supports(t, d) for t in (64, 128) for d in (16, 64, 96, 128, 192, 256))
+    assert supports(80, 128) and not supports(80, 64) and not supports(64, 72) and not supports(96, 64)
+
+
 @pytest.mark.parametrize("tile, d", [(128, 64), (64, 128), (64, 64), (128, 128), (80, 128)])
 def test_dq_unfragment_places(tile, d):
     # `dq_unfragment.unit_place` and `value_offset`, the postprocess kernel's map (unit u: floats
@@ -362,9 +394,21 @@ def test_dq_fragments(kernels, monkeypatch, kv_heads, deterministic, unscaled, d
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty filled with NaN (floating point): a buffer the host leaves unwritten shows."""
+    empty = torch.empty
+
+    def nan_filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
+
+
 @pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
 @pytest.mark.parametrize("chains, sk", [(1, 300), (3, 300), (3, 170), (1, 0)])
-def test_dq_store_first(kernels, monkeypatch, chains, sk, fragments):
+def test_dq_store_first(kernels, monkeypatch, nan_empty, chains, sk, fragments):
     # `sm90_bwd_ws.DQ_STORE_FIRST`: a deterministic call without causal or window gets dQacc
     # unzeroed (the kernel stores each block's first turn, as the stand-in does); the host zeroes
     # the chain copies no turn reaches (170 keys: 2 key blocks, 3 copies) and all of dQacc where
@@ -372,13 +416,6 @@ def test_dq_store_first(kernels, monkeypatch, chains, sk, fragments):
     monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST", True)
     monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(128, 128): chains})
     monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(math.nan) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
     q, k, v, out, dout, lse = inputs(sq=150, sk=sk, kv_heads=2, d=128)
     expected = reference_grads(q, k, v, dout) if sk else None
     for causal in (False, True):
@@ -483,7 +520,7 @@ def test_lap_turns_follow_arrival(num_n, blocks, laps):
 
 
 @pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
-def test_dq_laps_host(kernels, monkeypatch, fragments):
+def test_dq_laps_host(kernels, monkeypatch, nan_empty, fragments):
     # `sm90_bwd_ws.DQ_LAPS` with the rotated deterministic walk and chains: copy c holds lap c's
     # key blocks (the stand-in), and the host zeroes the copies no lap reaches: 4 key blocks in 3
     # laps of 2 leave copy 2 empty. torch.empty gives NaN here, so an unzeroed copy shows.
@@ -491,13 +528,6 @@ def test_dq_laps_host(kernels, monkeypatch, fragments):
     monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST", True)
     monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(128, 128): 3})
     monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(math.nan) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
     launches, keys = kernels
     q, k, v, out, dout, lse = inputs(sq=150, sk=4 * 128 - 10, kv_heads=2, d=128)
     grads = sm90_bwd.backward(q, k, v, out, dout, lse, 128**-0.5, False, deterministic=True)
@@ -1304,22 +1334,12 @@ def test_varlen_dq_fragments_kernel_host(varlen_kernels, monkeypatch, d, causal,
 
     def compile_dq_unfragment(dtype_name, head_dim, tile_m, mapped):
         fake = dq_unfragment.fake_arguments(dtype_name, head_dim, mapped)
-        per_block = tile_m * head_dim // 4
-        places = [dq_unfragment.unit_place(u, tile_m, head_dim) for u in range(per_block)]
 
         def run(acc, dq, scale, rows_map):
             assert mapped and dq.shape[0] == 1
             assert_binds((fake[0], fake[1], fake[3]), (acc, dq, rows_map), "dq_unfragment")
             calls.append((tile_m, scale))
-            h = dq.shape[2]
-            units = acc.view(h, -1, per_block, 2, 2)  # (h, block, unit, h2, e)
-            full = torch.zeros(units.shape[1] * tile_m, h, head_dim)
-            for block in range(units.shape[1]):
-                for u, (_, row, col) in enumerate(places):
-                    for h2 in range(2):
-                        for e in range(2):
-                            dr, dc = dq_unfragment.value_offset(h2, e, tile_m)
-                            full[block * tile_m + row + dr, :, col + dc] = units[:, block, u, h2, e]
+            full = unfragment_by_map(acc, 1, dq.shape[2], tile_m, head_dim)[0]
             valid = rows_map >= 0
             assert sorted(rows_map[valid].tolist()) == list(range(dq.shape[1]))
             dq[0, rows_map[valid].long()] = (full[valid] * scale).to(dq.dtype)
@@ -1423,25 +1443,13 @@ def test_dq_unfragment_kernel_host(kernels, monkeypatch, d, causal, tile, unscal
     def compile_dq_unfragment(dtype_name, head_dim, tile_m, mapped):
         assert not mapped
         fake = dq_unfragment.fake_arguments(dtype_name, head_dim)
-        per_block = tile_m * head_dim // 4
-        places = [dq_unfragment.unit_place(u, tile_m, head_dim) for u in range(per_block)]
-        rows = torch.tensor([r for _, r, _ in places])
-        cols = torch.tensor([c for _, _, c in places])
 
         def run(acc, dq, scale, rows_map):
             assert_binds(fake[:2], (acc, dq), "dq_unfragment")
             assert rows_map is None
             calls.append((tile_m, scale))
             b, sq, h, _ = dq.shape
-            units = acc.view(b, h, -1, per_block, 2, 2)  # (b, h, block, unit, h2, e)
-            full = torch.zeros(b, units.shape[2] * tile_m, h, head_dim)
-            for h2 in range(2):
-                for e in range(2):
-                    dr, dc = dq_unfragment.value_offset(h2, e, tile_m)
-                    r = (torch.arange(units.shape[2])[:, None] * tile_m + rows + dr).reshape(-1)
-                    full[:, r, :, (cols + dc).repeat(units.shape[2])] = (
-                        units[..., h2, e].reshape(b, h, -1).permute(2, 0, 1)  # (the indexed mode first)
-                    )
+            full = unfragment_by_map(acc, b, h, tile_m, head_dim)
             dq.copy_((full[:, :sq] * scale).to(dq.dtype))
 
         return run

@@ -44,6 +44,13 @@ TILES = (64, 80, 128)
 THREADS = 128
 
 
+def supports(tile_m: int, head_dim: int) -> bool:
+    """Whether the kernel takes this query tile and head dim (tile 80 is d128's, `fragment_dims`)."""
+    if tile_m == 80:
+        return head_dim == 128
+    return tile_m in TILES and head_dim % 16 == 0 and 16 <= head_dim <= 256
+
+
 def thread_place(thread, tile_m: int):
     """(row, column) in dQ's block of a warpgroup thread's value h2 = 0, e = 0 within a chunk
     (SM90's accumulator layout; tile 80's GEMM is transposed: its rows are dQ's columns)."""
@@ -98,8 +105,7 @@ class DqUnfragmentSm90:
     (tile 80: four single values)."""
 
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int, mapped: bool = False):
-        assert tile_m in TILES and head_dim % 16 == 0 and 16 <= head_dim <= 256, (tile_m, head_dim)
-        assert tile_m != 80 or head_dim == 128, "tile 80 is d128's"  # (`sm90_bwd.fragment_dims`)
+        assert supports(tile_m, head_dim), (tile_m, head_dim)
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m

@@ -577,6 +577,12 @@ def tile_switch(switch, tile_m: int) -> bool:
     return tile_m in switch
 
 
+def fragments_on(tile_m: int, wide: bool) -> bool:
+    """Whether a v2 kernel adds dQ in fragment order: `DQ_FRAGMENTS` at its query tile, or the
+    wide kernel's `DQ_FRAGMENTS_WIDE` (varlen: and `VARLEN_DQ_FRAGMENTS`, checked by its host)."""
+    return DQ_FRAGMENTS_WIDE if wide else tile_switch(DQ_FRAGMENTS, tile_m)
+
+
 # Deterministic mode: a warp of the producer warpgroup waits for the CTA's turn at each query block,
 # adds both consumer warpgroups' dQ parts and passes the turn (FA4's dQ writer warp); the consumers
 # only stage dQ, so a late turn costs them nothing until their next block's staging. v27 (H100, bf16
@@ -707,14 +713,11 @@ def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: in
 
     b, h, rows, d = buf.shape
     assert rows % tile_m == 0 and rows - tile_m < seqlen_q <= rows
-    if (
-        DQ_UNFRAGMENT_KERNEL
-        and (tile_m in (TILE, 2 * TILE) and d % 16 == 0 or tile_m == 80 and d == 128)
-        and buf.is_contiguous()
-    ):
-        from .dq_unfragment import unfragment_dq
+    if DQ_UNFRAGMENT_KERNEL and buf.is_contiguous():
+        from .dq_unfragment import supports, unfragment_dq
 
-        return unfragment_dq(buf, seqlen_q, dtype, scale, tile_m)
+        if supports(tile_m, d):
+            return unfragment_dq(buf, seqlen_q, dtype, scale, tile_m)
     j, query_dims, d_dims, perm = fragment_dims(tile_m, d)
     src = buf.view(b, h, rows // tile_m, 2, j, 4, 8, 4, 2, 2).permute(*perm)
 
@@ -1023,7 +1026,7 @@ def backward(
     delta, lse2 = row_stats(out, dout, lse, dlse, tile_m)
     # The kernel and the host below agree on these two (both in the compile key).
     dq_unscaled = tile_switch(DQ_SCALE_AT_CAST, tile_m)
-    dq_fragments = version == 2 and (DQ_FRAGMENTS_WIDE if wide else tile_switch(DQ_FRAGMENTS, tile_m))
+    dq_fragments = version == 2 and fragments_on(tile_m, wide)
     writer = dq_writer(bool(deterministic), tile_m, wide) and version == 2
     chains = dq_chains(bool(deterministic), version, writer, (d, d_v), masked)
     blocks = -(-seqlen_q // tile_m)
@@ -1187,7 +1190,7 @@ def backward_varlen(
     delta[:, padded] = delta_rows
     lse2[:, padded] = torch.where(in_sequence, l2_rows, float("inf"))
     wide = d > HEAD_DIMS[-1]  # `sm90_bwd_wide`: dK, dV per q head
-    dq_fragments = VARLEN_DQ_FRAGMENTS and (DQ_FRAGMENTS_WIDE if wide else tile_switch(DQ_FRAGMENTS, tile_m))
+    dq_fragments = VARLEN_DQ_FRAGMENTS and fragments_on(tile_m, wide)
     if dq_fragments:  # per head, whole blocks of the padded rows (blocks start on multiples of tile_m)
         frag_rows = -(-total_pad // tile_m) * tile_m
         frag = torch.zeros(heads, frag_rows, d, device=device, dtype=torch.float32)

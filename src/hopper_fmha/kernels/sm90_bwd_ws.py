@@ -182,10 +182,7 @@ def lap_of(n_block, num_n, laps: int, imin=min):
 
 def laps_reached(num_n: int, laps: int) -> int:
     """How many of the `laps` copies of dQacc get a turn at all (`lap_of`: the non-empty laps)."""
-    if num_n <= 0:
-        return 0
-    size = -(-num_n // laps)
-    return -(-num_n // size)
+    return lap_of(num_n - 1, num_n, laps)[0] + 1 if num_n > 0 else 0  # (the last block's lap, + 1)
 
 
 # The order CTAs take their (key block, head, batch) in the non-deterministic causal kernels (dense;
