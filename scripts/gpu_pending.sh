@@ -14,7 +14,7 @@
 # bench/results/2026-11-28-h200-v35) at ed51f72, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
 # Each results README names its files' parts.
 #   28 session 35's test edits, DQ_LAPS and LPT_HEADS (built, off): all of tests/test_gpu_backward.py
-#      (GPU tests now seed torch per test id; dsink's floor is the inputs' rounding; the new
+#      (GPU tests now seed torch per test id; dsink's 1000x128 bf16 case is open; the new
 #      `dq_laps` and `lpt_order` tests) in three shards on GPUs 0, 2, 3 (~6-7 min); on GPU 1
 #      `bwd_profile --ab`: dq-laps off/on at d256 deterministic (and the plain rate beside it),
 #      lpt-heads 0/4/8 at d128 and d64 causal (~5 min). x4 machine.
