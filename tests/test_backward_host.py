@@ -1415,6 +1415,7 @@ def test_varlen_dq_gather_kernel(varlen_kernels, monkeypatch, unscaled):
     calls = []
     stub_dq_gather(monkeypatch, calls)
     monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", unscaled)
+    monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_FRAGMENTS", False)  # (the row-order path's gather)
     monkeypatch.setattr(sm90_bwd, "VARLEN_DQ_GATHER", False)
     lq, lk = [70, 0, 1, 130], [90, 5, 0, 128]
     q, k, v, out, dout, lse, cu_q, cu_k = varlen_inputs(lq, lk)

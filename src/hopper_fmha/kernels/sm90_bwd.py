@@ -850,13 +850,14 @@ def _sm_count(device) -> int:
     return device_sm_count(device.index)  # (a tensor's CUDA device always has its index)
 
 
-# The varlen backward's dQ in fragment order too (session 35, built, not yet run on a GPU; off): at
+# The varlen backward's dQ in fragment order too (session 35; on since session 36): at
 # the query tiles of `DQ_FRAGMENTS` (the wide kernel: `DQ_FRAGMENTS_WIDE`), dQacc per head in whole
 # blocks of the padded rows, each sequence's blocks from its padded start (a multiple of tile_m),
 # and `dq_unfragment`'s kernel with a row map (padded row -> packed row, -1 for padding) puts dQ
 # back in order, scaled and cast, in place of `dq_gather`. Predicted: the dense gains of session
-# 35 (d128 tile 80 +3%, causal tile 64 +9%) on the varlen backward (0.93x / 0.91x FA4 in v35).
-VARLEN_DQ_FRAGMENTS = False
+# 35 (d128 tile 80 +3%, causal tile 64 +9%) on the varlen backward (0.93x / 0.91x FA4 in v35);
+# measured (v36, H200, 24 sequences): d64 +8.6%, d128 +1%, d128 causal +2.5% (0.96x / 0.93x FA4).
+VARLEN_DQ_FRAGMENTS = True
 
 
 def padded_starts(cu_seqlens_q, tile_m: int):

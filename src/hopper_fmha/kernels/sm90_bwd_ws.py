@@ -157,7 +157,7 @@ def store_first(deterministic: bool, dq_writer: bool, masked: bool, varlen: bool
     return DQ_STORE_FIRST and deterministic and dq_writer and not masked and not varlen
 
 
-# Deterministic dQ's chains as laps (session 35, built, not yet run on a GPU): with the rotated walk
+# Deterministic dQ's chains as laps (session 35; on since session 36): with the rotated walk
 # (`rotate`) and k > 1 chain copies, the key blocks of a head split into k contiguous laps, lap l
 # adding into copy l, each lap its own rotated walk and turn order (`lap_of`), in place of the turns'
 # parity (`dq_chains`: turn t into copy t % k). Why: the rotation's stride is C // num_n query blocks
@@ -166,8 +166,9 @@ def store_first(deterministic: bool, dq_writer: bool, masked: bool, varlen: bool
 # hand-offs before its first add (the start-up skew of the plain walk). Laps of 43 rotate with
 # stride 1, as d192/dv128's 43 CTAs a head do (deterministic at 98% of plain there, d256 at 75%:
 # v35's backward-features and backward presets), and three laps fill 129 of 132 SMs. Predicted:
-# deterministic d256 75% -> 85-95% of plain. Read when a kernel is built, like `DQ_STORE_FIRST`.
-DQ_LAPS = False
+# deterministic d256 75% -> 85-95% of plain; measured (v36, H200): 272 -> 293 TFLOP/s, 81% of plain.
+# Read when a kernel is built, like `DQ_STORE_FIRST`.
+DQ_LAPS = True
 
 
 def lap_of(n_block, num_n, laps: int, imin=min):
@@ -186,17 +187,18 @@ def laps_reached(num_n: int, laps: int) -> int:
 
 
 # The order CTAs take their (key block, head, batch) in the non-deterministic causal kernels (dense;
-# session 35, built, off): 0 is the grid's own (key blocks fastest: each head's longest CTA, key
+# session 35; 4 since session 36): 0 is the grid's own (key blocks fastest: each head's longest CTA, key
 # block 0, first, so the last heads' longest start in the last wave), k > 0 groups of k (head,
 # batch) pairs taken key block by key block, longest first (`lpt_place`): FA3/FA4's longest-first
 # order, kept to k heads at a time for L2's sake. Why: causal key block n sees the query blocks
 # from its diagonal on, so CTA lengths fall from num_m to ~1. A list-scheduling model (132 SMs,
 # CTA time = its query blocks) puts the grid's order at 1.070x / 1.035x / 1.038x the ideal
 # makespan at d128 / d64 / d256 causal B4 N4096, groups of 4 or 8 at 1.000-1.009x. Predicted:
-# +3-6% at d128 causal, +2-3% at d64 and d256 causal. Deterministic runs keep their launch
+# +3-6% at d128 causal, +2-3% at d64 and d256 causal; measured (v36, H200, bf16): +5.6% at d128
+# causal, +0.6% and +0.8% at d64 and d256 causal (8 heads: no better). Deterministic runs keep their launch
 # order, which their turns follow (a turn must not wait on a CTA that launches later). Read when a
 # kernel is built, like `DQ_STORE_FIRST`.
-LPT_HEADS = 0
+LPT_HEADS = 4
 
 
 def lpt_place(bx, by, bz, grid, group: int, imin=min):
