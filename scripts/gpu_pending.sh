@@ -13,12 +13,31 @@
 # bench/results/2026-11-28-h200-v34) at c9208e4, parts 26-27 (session 35,
 # bench/results/2026-11-28-h200-v35) at ed51f72, 28-30 (session 36) at b3033b5, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
 # Each results README names its files' parts.
-#   (none pending: parts 28-30 ran in session 36, bench/results/2026-12-06-h200-v36, and are in git
-#   history at b3033b5)
+#   31 the whole of tests/test_gpu_backward.py with v36's defaults (DQ_LAPS, LPT_HEADS = 4,
+#      VARLEN_DQ_FRAGMENTS on; v36 ran 1737 of its tests), in three shards of every third test:
+#      `gpu_pending.sh 31 0 1 2` runs the shards named, each on GPU (shard + 1) % GPUs at once where
+#      a machine has several (x4: GPUs 1, 2, 3, ~6 min), one after another on one GPU (~6 min each:
+#      one shard per call)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
 part=${1:-31}
+
+if [ "$part" = 31 ]; then
+    shift
+    gpus=$(nvidia-smi -L | wc -l)
+    python -m pytest --collect-only -q tests/test_gpu_backward.py 2>/dev/null | grep "::" > /tmp/ids.txt
+    for shard in "${@:-0}"; do
+        awk -v s="$shard" 'NR % 3 == s' /tmp/ids.txt > "/tmp/ids$shard.txt"
+        run="CUDA_VISIBLE_DEVICES=$(( (shard + 1) % gpus )) HOPPER_FMHA_CACHE_DIR=/tmp/kc$shard python scripts/gpu_tier.py \
+            --out /tmp/tier$shard --archive $OUT/tier$shard.tar.gz --procs 15 --budget 400 --stall 120 --chunked \
+            --ids /tmp/ids$shard.txt > $OUT/tier$shard.log 2>&1"
+        if [ "$gpus" -gt 1 ]; then (eval "$run") & else eval "$run"; fi
+    done
+    wait
+    for shard in "${@:-0}"; do tail -1 "$OUT/tier$shard.log"; grep -h "^FAILED" /tmp/tier$shard/report*.txt | head -10; done
+    exit 0
+fi
 
 echo "no pending part $part"
