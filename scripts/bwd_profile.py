@@ -58,6 +58,7 @@ ON_OFF = (
     ("--dq-unfragment", sm90_bwd, "DQ_UNFRAGMENT_KERNEL", "fragment-ordered dQ put in order by a kernel"),
     ("--dq-laps", sm90_bwd_ws, "DQ_LAPS", "deterministic: the rotated walk's chains as laps"),
     ("--varlen-dq-fragments", sm90_bwd, "VARLEN_DQ_FRAGMENTS", "the varlen backward's dQ in fragment order"),
+    ("--dq-chains-masked", sm90_bwd, "DQ_CHAINS_MASKED", "deterministic: chains with causal or a window"),
 )
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),

@@ -18,11 +18,27 @@
 #      `gpu_pending.sh 31 0 1 2` runs the shards named, each on GPU (shard + 1) % GPUs at once where
 #      a machine has several (x4: GPUs 1, 2, 3, ~6 min), one after another on one GPU (~6 min each:
 #      one shard per call)
+#   32 `sm90_bwd.DQ_CHAINS_MASKED` (session 36, built, off): its GPU tests (`-k dq_chains2_masked`,
+#      84: d128 causal, the wide d256 and d192/dv128 with causal, window and softcap) then
+#      `bwd_profile --ab dq-chains-masked=off dq-chains-masked=on` at d256 causal deterministic, with
+#      the plain d256 causal rate beside it (~4 min on one GPU)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
 part=${1:-31}
+
+if [ "$part" = 32 ]; then
+    python -m pytest --collect-only -q tests/test_gpu_backward.py -k dq_chains2_masked 2>/dev/null | grep "::" > /tmp/ids32.txt
+    HOPPER_FMHA_CACHE_DIR=/tmp/kc32 python scripts/gpu_tier.py --out /tmp/tier32 --archive "$OUT/tier32.tar.gz" \
+        --procs 15 --budget 150 --stall 100 --chunked --ids /tmp/ids32.txt > "$OUT/tier32.log" 2>&1
+    tail -1 "$OUT/tier32.log"; grep -h "^FAILED" /tmp/tier32/report*.txt | head -10
+    P="timeout 150 python scripts/bwd_profile.py --rounds 8"
+    ($P --d 256 --heads 8 --wide --causal --deterministic --ab dq-chains-masked=off dq-chains-masked=on
+     $P --d 256 --heads 8 --wide --causal --ab dq-chains-masked=off
+    ) 2>&1 | grep TFLOP | tee "$OUT/ab32.txt"
+    exit 0
+fi
 
 if [ "$part" = 31 ]; then
     shift

@@ -435,17 +435,19 @@ def test_dq_store_first(kernels, monkeypatch, nan_empty, chains, sk, fragments):
             torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked-only", "chains-masked"])
 @pytest.mark.parametrize("cast", [False, True], ids=["sum", "cast_copies"])
 @pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
 @pytest.mark.parametrize("chains", [2, 3])
 @pytest.mark.parametrize("d, causal, tile", [(128, False, 80), (128, True, 64), (64, False, T64)])
-def test_dq_chains(kernels, monkeypatch, chains, fragments, d, causal, tile, cast):
+def test_dq_chains(kernels, monkeypatch, chains, fragments, d, causal, tile, cast, masked):
     # `DQ_CHAINS` (compile-key element 17): deterministic calls with the writer warp and no causal
-    # or window ask for k chains; dQacc holds k copies of the padded rows (fragment order or not),
-    # the semaphores k per query block; the host sums the copies: the reference's gradients.
-    # Atomic and causal calls: 1 chain.
+    # or window (or any, with `DQ_CHAINS_MASKED`) ask for k chains; dQacc holds k copies of the
+    # padded rows (fragment order or not), the semaphores k per query block; the host sums the
+    # copies: the reference's gradients. Atomic calls, and causal ones without the switch: 1 chain.
     launches, keys = kernels
     monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(d, d): chains, (256, 256): 1})
+    monkeypatch.setattr(sm90_bwd, "DQ_CHAINS_MASKED", masked)
     monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
     monkeypatch.setattr(sm90_bwd, "CAST_COPIES", cast)  # (the rows' copies: fragments sum first)
     q, k, v, out, dout, lse = inputs(sq=170, sk=300, kv_heads=2, d=d)
@@ -457,7 +459,7 @@ def test_dq_chains(kernels, monkeypatch, chains, fragments, d, causal, tile, cas
     expected = torch.autograd.grad(o, leaves, dout.double())
     for deterministic in (False, True):
         grads = sm90_bwd.backward(q, k, v, out, dout, lse, d**-0.5, causal, deterministic=deterministic)
-        chained = deterministic and not causal
+        chained = deterministic and (masked or not causal)
         assert keys[-1][11] == tile and keys[-1][17] == (chains if chained else 1)
         assert ("dq_acc_rows" in launches[-1]) is chained
         if chained:
@@ -1119,15 +1121,42 @@ def test_varlen_head_dims(varlen_kernels, monkeypatch, d, dv, wide_on, kernel):
         torch.testing.assert_close(ours.double(), r, rtol=2e-2, atol=2e-2, msg=name)
 
 
-def load_bwd_profile():
+def load_script(name: str):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parent.parent / "scripts" / "bwd_profile.py"
-    spec = importlib.util.spec_from_file_location("bwd_profile", path)
+    path = Path(__file__).parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_bwd_profile():
+    return load_script("bwd_profile")
+
+
+def test_turn_model():
+    # scripts/turn_model.py (NOTES v36, `DQ_CHAINS_MASKED`'s prediction): without turns the
+    # schedule is list scheduling (CTA lengths summed over the SMs, at least the longest CTA); a
+    # zero latency costs the launch order nothing; the makespan never falls as the latency grows,
+    # nor rises with more chains; d256 causal (48 keys against 64 queries) at L = 1.5 with one
+    # chain and with two: the shares NOTES quotes.
+    model = load_script("turn_model")
+    num_n, num_m = 86, 64
+    first = [48 * n // 64 for n in range(num_n)]
+    launch = [(h, n) for h in range(32) for n in reversed(range(num_n))]
+    lpt = [(h, n) for g in range(0, 32, 4) for n in range(num_n) for h in range(g, g + 4)]
+    work = 32 * sum(num_m - f for f in first)
+    plain = model.makespan(lpt, first, num_m, 132)
+    assert work / 132 <= plain <= work / 132 + num_m
+    assert model.makespan(launch, first, num_m, 132, 0.0) == model.makespan(launch, first, num_m, 132)
+    spans = {(L, k): model.makespan(launch, first, num_m, 132, L, k) for L in (0.5, 1.5, 3) for k in (1, 2)}
+    for k in (1, 2):
+        assert spans[(0.5, k)] <= spans[(1.5, k)] <= spans[(3, k)]
+    for L in (0.5, 1.5, 3):
+        assert spans[(L, 2)] <= spans[(L, 1)]
+    assert round(plain / spans[(1.5, 1)], 2) == 0.62 and round(plain / spans[(1.5, 2)], 2) == 0.95
 
 
 def test_bwd_profile_probes_match_the_methods_they_replace():

@@ -573,6 +573,30 @@ def test_dq_chains_compile():
     assert stack_bytes(two) == stack_bytes(one)
 
 
+def test_dq_chains_masked_compiles():
+    # `sm90_bwd.DQ_CHAINS_MASKED` (session 36, off): the wide d256 kernel, causal and deterministic
+    # as `sm90_bwd.backward` asks for it (writer warps 2, fragments), with 2 chains: a different
+    # kernel with the same adds and turn sites (the copy and semaphore picked by turn % 2), no
+    # more stack.
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    cubins = []
+    for chains in (1, 2):
+        with tempfile.TemporaryDirectory() as dump:
+            cubins.append(
+                compile_bwd(
+                    "bfloat16", 256, True, True, mha=True, tile_m=64, dq_writer=True, dq_fragments=True,
+                    dq_chains=chains, dq_writer_warps=2, head_dim_v=256,
+                    options=f"--keep-cubin --dump-dir={dump}",
+                ).artifacts.CUBIN
+            )  # fmt: skip
+    one, two = (sass_or_skip(c) for c in cubins)
+    assert one != two
+    for op in ("UBLKRED", "ATOMG", "BAR.ARV"):
+        assert one.count(op) == two.count(op), op
+    assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])
+
+
 def test_dq_writer_warps_compile():
     # `sm90_bwd.DQ_WRITER_WARPS` 2 (compile-key field 18; session 31, on since session 32): a second writer
     # warp with the odd steps' barrier pair (ids 9 and 10), so every add and turn site of the

@@ -1080,19 +1080,22 @@ def test_wide_rotated_walk_varlen(hopper_gpu, wide_rotate, dims, case):
     test_varlen_backward(hopper_gpu, torch.bfloat16, True, dims[0], case, "gqa", dims[1])
 
 
-# The deterministic writer's two session-31 switches, each case under each (ids name the switch, so
-# `-k dq_chains` or `-k writer_warps` picks one): `sm90_bwd.DQ_CHAINS` (k copies of dQacc, turn t of
-# a query block adding into copy t % k after turn t - k, the host summing the copies in order; k = 2
-# and 3 at every head dim) and `sm90_bwd.DQ_WRITER_WARPS` (2, the default since session 32: even
-# and odd steps of the walk, each on its own pair of barriers; here 1). Each kernel the writer warp
-# serves (d64 tile 128 in fragment order, d128 tile 80 rotated, d128 causal, the wide d256 and
-# d192/dv128, varlen): gradients by the reference, twice bitwise equal; 100 bitwise repeats at d128
-# and d256; a window and softcap (turns over part of the key blocks).
+# The deterministic writer's two session-31 switches, each case under each (ids name the switch,
+# so `-k dq_chains` or `-k writer_warps` picks one): `sm90_bwd.DQ_CHAINS` (k copies of dQacc, turn t
+# of a query block adding into copy t % k after turn t - k, the host summing the copies in order;
+# k = 2 and 3 at every head dim; with session 36's `DQ_CHAINS_MASKED`, causal and windows too) and
+# `sm90_bwd.DQ_WRITER_WARPS` (2, the default since session 32: even and odd steps of the walk, each
+# on its own pair of barriers; here 1). Each kernel the writer warp serves (d64 tile 128 in
+# fragment order, d128 tile 80 rotated, d128 causal, the wide d256 and d192/dv128, varlen):
+# gradients by the reference, twice bitwise equal; 100 bitwise repeats at d128 and d256; a window
+# and softcap (turns over part of the key blocks).
 WRITER_DIMS = [(64, 64), (128, 128), (192, 128), (256, 256)]
 WRITER_LAYOUTS = {
-    "dq_chains2": ("DQ_CHAINS", {d: 2 for d in WRITER_DIMS}),
-    "dq_chains3": ("DQ_CHAINS", {d: 3 for d in WRITER_DIMS}),
-    "writer_warps1": ("DQ_WRITER_WARPS", 1),
+    "dq_chains2": {"DQ_CHAINS": {d: 2 for d in WRITER_DIMS}},
+    "dq_chains3": {"DQ_CHAINS": {d: 3 for d in WRITER_DIMS}},
+    "writer_warps1": {"DQ_WRITER_WARPS": 1},
+    # `DQ_CHAINS_MASKED` (session 36, off): the chains with causal and windows too.
+    "dq_chains2_masked": {"DQ_CHAINS": {d: 2 for d in WRITER_DIMS}, "DQ_CHAINS_MASKED": True},
 }
 
 
@@ -1100,7 +1103,8 @@ WRITER_LAYOUTS = {
 def writer_layout(request, monkeypatch):
     from hopper_fmha.kernels import sm90_bwd
 
-    monkeypatch.setattr(sm90_bwd, *WRITER_LAYOUTS[request.param])
+    for name, value in WRITER_LAYOUTS[request.param].items():
+        monkeypatch.setattr(sm90_bwd, name, value)
 
 
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
