@@ -19,6 +19,18 @@ import argparse
 import heapq
 
 
+def orders(heads: int, num_n: int, group: int = 4):
+    """(deterministic, plain) launch orders of (head, key block): the deterministic kernel's
+    (each head's key blocks from the last, `sm90_bwd_ws` reverses n_block) and the plain causal
+    kernel's under `LPT_HEADS` = group (the kernel's own `lpt_place`, launch index by launch index)."""
+    from hopper_fmha.kernels.sm90_bwd_ws import lpt_place
+
+    deterministic = [(h, n) for h in range(heads) for n in reversed(range(num_n))]
+    grid = (num_n, heads, 1)
+    plain = [lpt_place(x % num_n, x // num_n, 0, grid, group)[1::-1] for x in range(heads * num_n)]
+    return deterministic, plain
+
+
 def makespan(order, first, num_m, sms, latency=None, chains=1):
     """Steps until the last CTA ends. order: (head, key block) in launch order; first[n]: key block
     n's first query block; latency None: no turns (the plain backward)."""
@@ -50,9 +62,7 @@ def main():
     num_n = -(-args.seqlen // args.keys)
     num_m = -(-args.seqlen // args.queries)
     first = [args.keys * n // args.queries for n in range(num_n)]
-    heads = range(args.heads)
-    launch = [(h, n) for h in heads for n in reversed(range(num_n))]
-    lpt = [(h, n) for g in range(0, args.heads, 4) for n in range(num_n) for h in heads[g : g + 4]]
+    launch, lpt = orders(args.heads, num_n)
     plain = makespan(lpt, first, num_m, args.sms)
     ideal = args.heads * sum(num_m - f for f in first) / args.sms
     shape = f"{args.heads} heads x {num_n} CTAs, {num_m} query blocks"

@@ -1145,8 +1145,9 @@ def test_turn_model():
     model = load_script("turn_model")
     num_n, num_m = 86, 64
     first = [48 * n // 64 for n in range(num_n)]
-    launch = [(h, n) for h in range(32) for n in reversed(range(num_n))]
-    lpt = [(h, n) for g in range(0, 32, 4) for n in range(num_n) for h in range(g, g + 4)]
+    launch, lpt = model.orders(32, num_n)
+    assert sorted(launch) == sorted(lpt) == [(h, n) for h in range(32) for n in range(num_n)]
+    assert lpt[:5] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1)]  # (four heads' longest CTAs first)
     work = 32 * sum(num_m - f for f in first)
     plain = model.makespan(lpt, first, num_m, 132)
     assert work / 132 <= plain <= work / 132 + num_m
