@@ -11,34 +11,21 @@
 # the commit that added parts 19-20 (session 32, bench/results/2026-11-28-h200-v32), parts 19-23
 # (session 33, bench/results/2026-11-28-h200-v33) at f2b28ef, parts 24-25 (session 34,
 # bench/results/2026-11-28-h200-v34) at c9208e4, parts 26-27 (session 35,
-# bench/results/2026-11-28-h200-v35) at ed51f72, 28-30 (session 36) at b3033b5, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
+# bench/results/2026-11-28-h200-v35) at ed51f72, 28-30 (session 36) at b3033b5, 32 (session 37,
+# bench/results/2026-12-06-h100-v37) in the commit that adds that folder, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
 # Each results README names its files' parts.
-#   31 the whole of tests/test_gpu_backward.py with v36's defaults (DQ_LAPS, LPT_HEADS = 4,
-#      VARLEN_DQ_FRAGMENTS on; v36 ran 1737 of its tests), in three shards of every third test:
+#   31 the whole of tests/test_gpu_backward.py with v37's defaults (DQ_LAPS, LPT_HEADS = 4,
+#      VARLEN_DQ_FRAGMENTS, DQ_CHAINS_MASKED on; v36 ran 1737 of its tests, v37 the 1060 of
+#      `-k "dq_laps or lpt or row_order or varlen or sink or (determin and (256 or causal or
+#      window))"` and the 84 of `-k dq_chains2_masked`), in three shards of every third test:
 #      `gpu_pending.sh 31 0 1 2` runs the shards named, each on GPU (shard + 1) % GPUs at once where
 #      a machine has several (x4: GPUs 1, 2, 3, ~6 min), one after another on one GPU (~6 min each:
 #      one shard per call)
-#   32 `sm90_bwd.DQ_CHAINS_MASKED` (session 36, built, off): its GPU tests (`-k dq_chains2_masked`,
-#      84: d128 causal, the wide d256 and d192/dv128 with causal, window and softcap) then
-#      `bwd_profile --ab dq-chains-masked=off dq-chains-masked=on` at d256 causal deterministic, with
-#      the plain d256 causal rate beside it (~4 min on one GPU)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
 part=${1:-31}
-
-if [ "$part" = 32 ]; then
-    python -m pytest --collect-only -q tests/test_gpu_backward.py -k dq_chains2_masked 2>/dev/null | grep "::" > /tmp/ids32.txt
-    HOPPER_FMHA_CACHE_DIR=/tmp/kc32 python scripts/gpu_tier.py --out /tmp/tier32 --archive "$OUT/tier32.tar.gz" \
-        --procs 15 --budget 150 --stall 100 --chunked --ids /tmp/ids32.txt > "$OUT/tier32.log" 2>&1
-    tail -1 "$OUT/tier32.log"; grep -h "^FAILED" /tmp/tier32/report*.txt | head -10
-    P="timeout 150 python scripts/bwd_profile.py --rounds 8"
-    ($P --d 256 --heads 8 --wide --causal --deterministic --ab dq-chains-masked=off dq-chains-masked=on
-     $P --d 256 --heads 8 --wide --causal --ab dq-chains-masked=off
-    ) 2>&1 | grep TFLOP | tee "$OUT/ab32.txt"
-    exit 0
-fi
 
 if [ "$part" = 31 ]; then
     shift

@@ -574,7 +574,7 @@ def test_dq_chains_compile():
 
 
 def test_dq_chains_masked_compiles():
-    # `sm90_bwd.DQ_CHAINS_MASKED` (session 36, off): the wide d256 kernel, causal and deterministic
+    # `sm90_bwd.DQ_CHAINS_MASKED` (on since session 37): the wide d256 kernel, causal and deterministic
     # as `sm90_bwd.backward` asks for it (writer warps 2, fragments), with 2 chains: a different
     # kernel with the same adds and turn sites (the copy and semaphore picked by turn % 2), no
     # more stack.

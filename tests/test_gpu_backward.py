@@ -1092,7 +1092,8 @@ WRITER_LAYOUTS = {
     "dq_chains2": {"DQ_CHAINS": {d: 2 for d in WRITER_DIMS}},
     "dq_chains3": {"DQ_CHAINS": {d: 3 for d in WRITER_DIMS}},
     "writer_warps1": {"DQ_WRITER_WARPS": 1},
-    # `DQ_CHAINS_MASKED` (session 36, off): the chains with causal and windows too.
+    # `DQ_CHAINS_MASKED` (on since session 37, for d256; here at every head dim): the chains with
+    # causal and windows too.
     "dq_chains2_masked": {"DQ_CHAINS": {d: 2 for d in WRITER_DIMS}, "DQ_CHAINS_MASKED": True},
 }
 

@@ -638,21 +638,23 @@ def dq_writer(deterministic: bool, tile_m: int, wide: bool = False) -> bool:
 # causal 221 -> 214. On for the kernel head dims (d, dv) listed, k each, without causal or window.
 DQ_CHAINS: dict[tuple[int, int], int] = {(256, 256): 2}
 
-# `DQ_CHAINS` with causal or a window too (session 36, built, off; not yet run on a GPU). Why:
-# deterministic d256 causal runs at 64-65% of plain (v36). Its turns at a query block go from the
-# key block on its diagonal down to key block 0 (`descending`), so CTA n's add waits for CTA
+# `DQ_CHAINS` with causal or a window too (built in session 36, on since session 37). Why:
+# deterministic d256 causal ran at 64-65% of plain (v36, H200). Its turns at a query block go from
+# the key block on its diagonal down to key block 0 (`descending`), so CTA n's add waits for CTA
 # n + 1's, which reached the block one step earlier (48-key CTAs against 64-query blocks: every
 # fourth pair starts on the same diagonal block, with no step to spare). A model of those
-# hand-offs (132 SMs, 32 heads x 86 CTAs of 64 - 3n/4 steps, launched as the kernel does, a
-# hand-off latency L in steps; session 36, NOTES v36) gives 95% of plain for L <= 1 step but 62%
-# at L = 1.5 and 47% at 2: past one step, the delays pile up along the chain. With 2 chains
-# (CTA n waits for n + 2, two steps ahead) it gives 95% up to L = 1.5 and 93% at 2, 63% at 3;
-# with 3 chains, 93% at L = 3. Session 31 measured chains at d256 causal as no gain (217 / 212),
-# but then with one writer warp, whose serial path per block (poll, adds, their completion,
-# release) was itself about a step; session 32's second writer warp without chains changed nothing
-# there either. The two together are unmeasured. Predicted: d256 causal deterministic 64% ->
-# 80-93% of plain if L is 1.5-3 steps; no change if the limit is elsewhere.
-DQ_CHAINS_MASKED = False
+# hand-offs (`scripts/turn_model.py`: 132 SMs, 32 heads x 86 CTAs of 64 - 3n/4 steps, launched as
+# the kernel does, a hand-off latency L in steps) gives 95% of plain for L <= 1 step but 62% at
+# L = 1.5 and 47% at 2: past one step, the delays pile up along the chain. With 2 chains (CTA n
+# waits for n + 2, two steps ahead) it gives 95% up to L = 1.5. Session 31 had measured chains at
+# d256 causal as no gain, but with one writer warp, whose serial path per block was itself about a
+# step. Predicted: 64% -> 80-93% of plain. Measured (H100, session 37, `bwd_profile --ab`, B4
+# N4096 H8 d256 causal deterministic): bf16 212.6 -> 245.6 TFLOP/s (+15.5%; plain 287.1: 74% ->
+# 86%), fp16 199.6 -> 233.4 (+17%); a window (512, 0) 1124 -> 1101 (-2%, rounds overlapping);
+# 3 chains lose (201-209). Backward preset (H100): d256 causal deterministic 81-82% of plain.
+# Tests: 84 (`-k dq_chains2_masked`) and 1060 of the deterministic, varlen and sink tests with it
+# on, 0 failed.
+DQ_CHAINS_MASKED = True
 
 
 def dq_chains(
