@@ -15,9 +15,11 @@
 # bench/results/2026-12-06-h100-v37) in the commit that adds that folder, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
 # Each results README names its files' parts.
 #   31 the whole of tests/test_gpu_backward.py with v37's defaults (DQ_LAPS, LPT_HEADS = 4,
-#      VARLEN_DQ_FRAGMENTS, DQ_CHAINS_MASKED on; v36 ran 1737 of its tests, v37 the 1060 of
-#      `-k "dq_laps or lpt or row_order or varlen or sink or (determin and (256 or causal or
-#      window))"` and the 84 of `-k dq_chains2_masked`), in three shards of every third test:
+#      VARLEN_DQ_FRAGMENTS, DQ_CHAINS_MASKED, DQ_STORE_FIRST_MASKED on; v36 ran 1737 of its
+#      tests; v37 the 84 of `-k dq_chains2_masked`, the 1060 of `-k "dq_laps or lpt or row_order
+#      or varlen or sink or (determin and (256 or causal or window))"` before DQ_STORE_FIRST_MASKED
+#      and the 588 of `-k "(determin and (causal or window)) or dq_chains or writer_warps"` with
+#      it), in three shards of every third test:
 #      `gpu_pending.sh 31 0 1 2` runs the shards named, each on GPU (shard + 1) % GPUs at once where
 #      a machine has several (x4: GPUs 1, 2, 3, ~6 min), one after another on one GPU (~6 min each:
 #      one shard per call)

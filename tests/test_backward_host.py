@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from hopper_fmha.emulate import block_range
 from hopper_fmha.reference import reference, visible_keys
 
 pytestmark = pytest.mark.cpu
@@ -102,11 +103,13 @@ def dense_kernel(
     the mask and softcap the compile key names, their sizes from the launch), written where the
     kernel writes; dQacc without the softmax scale where the key says so (`DQ_SCALE_AT_CAST`), in
     fragment order where it says so (`DQ_FRAGMENTS`); with `DQ_CHAINS` k > 1, dQacc holds k copies of
-    the padded rows, and key block n's part (`block_keys`: the kernel's keys per CTA, 128, or the
-    wide kernel's 48 or 96) goes to copy n % k (`laps`, `sm90_bwd_ws.DQ_LAPS`: to its lap's copy,
+    the padded rows, and key block n's part at query block m (`block_keys`: the kernel's keys per
+    CTA, 128, or the wide kernel's 48 or 96) goes to copy turn % k, the pair's turn at the block
+    as the kernel numbers them (`laps`, `sm90_bwd_ws.DQ_LAPS`: to its lap's copy,
     `sm90_bwd_ws.lap_of`). stored
-    (`sm90_bwd_ws.store_first`): a copy some key block reaches is written whole (its padded rows
-    too) before the adds, as the kernel's first turn stores."""
+    (`sm90_bwd_ws.store_first`): each query block of a copy that one of the copy's key blocks
+    visits (causal and windows: by the forward's block range) is written whole (its padded rows
+    too) before the adds, as the kernel's first turn stores; others are left as they were."""
 
     def run(
         q, k, v, dout, lse2, delta, dq_acc, dk, dv, sem, scale, group, left, right, softcap, cu_q, cu_k, max_k
@@ -134,22 +137,37 @@ def dense_kernel(
         if softcap_on:
             t = torch.tanh(s / softcap)
             s, dtanh = softcap * t, 1 - t * t
-        seen = visible_keys(torch.arange(q.shape[1]), q.shape[1], k.shape[1], left, 0 if causal else right)
+        right_ = 0 if causal else right
+        seen = visible_keys(torch.arange(q.shape[1]), q.shape[1], k.shape[1], left, right_)
         p = torch.where(seen, torch.exp2(s * math.log2(math.e) - lse2.double()[..., None]), 0.0)
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
         ds = p * (dp - delta.double()[..., None]) * dtanh
-        num_n = -(-k.shape[1] // block_keys)
+        num_n, blocks = -(-k.shape[1] // block_keys), pad // tile_m
+        # The copy of each (query block, key block) pair: the pair's turn % k, the turns descending
+        # from the block's last key block with causal or a right limit, else ascending from its
+        # first (the kernel's `dq_turn`; unmasked, n % k; `laps`: the key block's lap).
+        sq, sk, descending = q.shape[1], k.shape[1], causal or right >= 0
+        ranges = [block_range(m * tile_m, tile_m, block_keys, sq, sk, left, right_) for m in range(blocks)]
+        copy_of = torch.zeros(blocks, num_n, dtype=torch.long)
+        for m, (lo, hi) in enumerate(ranges):
+            for n in range(num_n):
+                turn = hi - 1 - n if descending else n - lo
+                copy_of[m, n] = n // -(-num_n // dq_chains) if laps else turn % dq_chains
+        pair = copy_of[torch.arange(q.shape[1]) // tile_m][:, torch.arange(k.shape[1]) // block_keys]
         for c in range(dq_chains):
-            n = torch.arange(k.shape[1]) // block_keys
-            keys = (n // -(-num_n // dq_chains) if laps else n % dq_chains) == c  # copy c's key blocks
-            dq_part = torch.einsum("bhqk,bkhd->bqhd", ds * keys, kk) * (1.0 if dq_unscaled else scale)
+            dq_part = torch.einsum("bhqk,bkhd->bqhd", ds * (pair == c), kk) * (1.0 if dq_unscaled else scale)
             copy = dq_acc[:, c * pad : c * pad + q.shape[1]]
-            if stored and keys.any():  # the first turn's store: all of the copy's padded rows
+            for m, (lo, hi) in enumerate(ranges if stored else ()):  # the first turn's store: the
+                # block's padded rows, where one of the key blocks its rows see adds into this copy
+                if not (copy_of[m, lo:hi] == c).any():
+                    continue
                 if dq_fragments:
-                    whole = (copy.shape[0], copy.shape[2], pad * q.shape[3])
-                    copy.as_strided(whole, (*copy.stride()[::2], 1)).zero_()
+                    rows = (copy.shape[0], copy.shape[2], tile_m * q.shape[3])
+                    at = copy.storage_offset() + m * tile_m * q.shape[3]
+                    copy.as_strided(rows, (*copy.stride()[::2], 1), at).zero_()
                 else:
-                    dq_acc[:, c * pad : c * pad + (pad if dq_chains > 1 else q.shape[1])].zero_()
+                    end = c * pad + (m + 1) * tile_m if dq_chains > 1 else min((m + 1) * tile_m, q.shape[1])
+                    dq_acc[:, c * pad + m * tile_m : end].zero_()
             if dq_fragments:
                 add_fragments(copy, dq_part.float(), tile_m)
             else:
@@ -433,6 +451,69 @@ def test_dq_store_first(kernels, monkeypatch, nan_empty, chains, sk, fragments):
             continue
         for ours, ref in zip(grads, expected, strict=True):
             torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
+@pytest.mark.parametrize("chains", [1, 3])
+@pytest.mark.parametrize(
+    "sq, sk, causal, window, fewest",
+    [
+        (150, 300, True, (-1, -1), 2),  # block 0's rows see keys < 214: two key blocks
+        (300, 150, True, (-1, -1), 0),  # rows 0-149 see no key: blocks 0-1 get no turn
+        (150, 300, False, (20, 0), 1),  # a narrow window: block 0 sees key block 1 only
+        (150, 300, False, (-1, 40), 2),  # a right limit only
+        (170, 170, True, (60, 0), 1),  # causal and a left limit
+    ],
+)
+def test_dq_store_first_masked(
+    kernels, monkeypatch, nan_empty, chains, fragments, sq, sk, causal, window, fewest
+):
+    # `sm90_bwd_ws.DQ_STORE_FIRST_MASKED`: with causal or a window the kernel stores a block's
+    # first turn (of each copy) where the block's rows see one of the copy's key blocks; the host
+    # leaves dQacc unzeroed only where every block gets as many turns as copies
+    # (`sm90_bwd.fewest_turns`), zeroes the copies past the fewest otherwise, all of it where some
+    # block gets none. torch.empty gives NaN here; the stand-in stores per block as the kernel.
+    # With `fewest_turns` overstated, the unwritten blocks show: the check can fail.
+    monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST", True)
+    monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", True)
+    monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(128, 128): chains})
+    monkeypatch.setattr(sm90_bwd, "DQ_CHAINS_MASKED", True)
+    monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
+    q, k, v, out, dout, lse = inputs(sq=sq, sk=sk, kv_heads=2, d=128)
+    scale = 128**-0.5
+    out, lse = reference(q, k, v, scale, causal, window_size=window)
+    out = out.to(q.dtype)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*leaves, scale, causal, window_size=window, dtype=torch.float64)
+    expected = torch.autograd.grad(o, leaves, dout.double())
+    call = dict(deterministic=True, window_size=window)
+    grads = sm90_bwd.backward(q, k, v, out, dout, lse, scale, causal, **call)
+    for ours, ref in zip(grads, expected, strict=True):
+        torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
+    right = 0 if causal else window[1]
+    assert sm90_bwd.fewest_turns(sq, sk, 64, 128, window[0], right) == fewest  # (d128's tile 64)
+    if fewest < chains:  # overstated: some block's copy is left as torch.empty left it
+        monkeypatch.setattr(sm90_bwd, "fewest_turns", lambda *args: chains)
+        grads = sm90_bwd.backward(q, k, v, out, dout, lse, scale, causal, **call)
+        assert grads[0].isnan().any()
+
+
+def test_fewest_turns():
+    # `sm90_bwd.fewest_turns` against the forward's block range per query block
+    # (`emulate.block_range`, the rule `Mask.block_range_local` follows): the minimum over blocks
+    # of the key blocks each visits, 0 where some block visits none; random shapes and windows.
+    g = torch.Generator().manual_seed(1)
+    for _ in range(400):
+        sq, sk = (int(x) for x in torch.randint(0, 700, (2,), generator=g))
+        tile_m, tile_n = (64, 80, 128)[int(torch.randint(3, (1,), generator=g))], (48, 96, 128)[_ % 3]
+        left, right = (int(x) - 1 if x < 300 else -1 for x in torch.randint(0, 400, (2,), generator=g))
+        blocks = -(-sq // tile_m)
+        seen = [
+            (lambda r: r[1] - r[0])(block_range(m * tile_m, tile_m, tile_n, sq, sk, left, right))
+            for m in range(blocks)
+        ]
+        case = (sq, sk, tile_m, tile_n, left, right)
+        assert sm90_bwd.fewest_turns(*case) == min(seen, default=0), case
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked-only", "chains-masked"])

@@ -597,10 +597,15 @@ def test_dq_chains_masked_compiles():
     assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])
 
 
-def test_dq_writer_warps_compile():
+def test_dq_writer_warps_compile(monkeypatch):
     # `sm90_bwd.DQ_WRITER_WARPS` 2 (compile-key field 18; session 31, on since session 32): a second writer
     # warp with the odd steps' barrier pair (ids 9 and 10), so every add and turn site of the
-    # writer appears twice; the consumers' staging picks the pair by the step's parity.
+    # writer appears twice; the consumers' staging picks the pair by the step's parity. (Without
+    # the first-turn stores, `DQ_STORE_FIRST_MASKED`, whose store / add branch ptxas lays out
+    # differently per warp: the add sites then do not simply double.)
+    from hopper_fmha.kernels import sm90_bwd_ws
+
+    monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", False)
     key = ("bfloat16", 128, True, True, 2, True, False, False, False, False, False, 64, False)
     key = key + (True, False, None, True, 1)
     one, two = bwd_cubin(*key, 1), bwd_cubin(*key, 2)
@@ -628,6 +633,27 @@ def test_dq_store_first_compiles(monkeypatch, fragments):
         cubins.append(bwd_cubin(*key))
     off, on = (sass_or_skip(c) for c in cubins)
     store = "UBLKCP" if fragments else "UTMASTG"
+    if fragments:
+        assert store not in off
+    assert on.count(store) > off.count(store)
+    assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
+def test_dq_store_first_masked_compiles(monkeypatch, fragments):
+    # `sm90_bwd_ws.DQ_STORE_FIRST_MASKED` (session 37): with causal, the writer warp's first turn of
+    # a block stores too, as without a mask (TMA store, or in fragment order a 1-D bulk copy); no
+    # more stack. d128 causal tile 64, deterministic.
+    from hopper_fmha.kernels import sm90_bwd_ws
+
+    key = ("bfloat16", 128, True, True, 2, True, False, False, False, False, False, 64, False, False)
+    key = key + (fragments, None, True)
+    cubins = []
+    for on in (False, True):
+        monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", on)
+        cubins.append(bwd_cubin(*key))
+    off, on = (sass_or_skip(c) for c in cubins)
+    store = "UBLKCP" if fragments else "UTMASTG"  # (rows: dK, dV leave by TMA store too)
     if fragments:
         assert store not in off
     assert on.count(store) > off.count(store)

@@ -855,6 +855,24 @@ def keys_per_cta(head_dim: int, head_dim_v: int) -> int:
     return SHAPES[head_dim, head_dim_v].tile_n
 
 
+def fewest_turns(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, left: int, right: int) -> int:
+    """The fewest key blocks of tile_n keys that any query block of tile_m rows visits (the
+    forward's rule, `Mask.block_range_local`, with `emulate.block_range`'s sides: -1 no limit,
+    causal right = 0): every block of dQacc gets at least this many deterministic turns. 0 when
+    some block's rows see no key, or there are no keys (no kernel runs) or no query blocks."""
+    import numpy as np
+
+    blocks, num_n = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    if blocks == 0 or num_n == 0:
+        return 0
+    first = np.arange(blocks, dtype=np.int64) * tile_m + (seqlen_k - seqlen_q)  # first row's diagonal
+    n_max = np.full(blocks, num_n, dtype=np.int64)
+    if right >= 0:  # the last row's right limit, rounded up to whole blocks
+        n_max = np.minimum(n_max, -(-np.maximum(first + tile_m + right, 0) // tile_n))
+    n_min = np.maximum(first - left, 0) // tile_n if left >= 0 else np.zeros(blocks, dtype=np.int64)
+    return int(max((n_max - n_min).min(), 0))
+
+
 # The SM count `rotates` assumes for tensors off the GPU (the host tests' stand-in kernels).
 HOST_SM_COUNT = 132
 
@@ -1049,9 +1067,10 @@ def backward(
     writer = dq_writer(bool(deterministic), tile_m, wide) and version == 2
     chains = dq_chains(bool(deterministic), version, writer, (d, d_v), masked)
     blocks = -(-seqlen_q // tile_m)
-    # Deterministic without causal or window: the kernel stores each block's first turn, so dQacc
-    # needs no zeros, but where a chain copy gets no turn (fewer key blocks than copies) or no
-    # kernel runs (`sm90_bwd_ws.store_first`; imported only when deterministic).
+    # Deterministic: the kernel stores each block's first turn, so dQacc needs no zeros, but where
+    # a chain copy of some block gets no turn (fewer key blocks than copies; with causal or a
+    # window, fewer key blocks seen by some block's rows) or no kernel runs
+    # (`sm90_bwd_ws.store_first`; imported only when deterministic).
     stored = laps = False
     rotate = rotates(deterministic, version, causal, left, right, seqlen_k, q.device, d, d_v)
     if deterministic and version == 2:
@@ -1067,11 +1086,15 @@ def backward(
         rows = seqlen_q if chains == 1 else chains * blocks * tile_m
         dq_acc = alloc_acc(batch, rows, heads, d, device=q.device, dtype=torch.float32)
     if stored:
-        turns = -(-seqlen_k // keys_per_cta(d, d_v)) if seqlen_q > 0 else 0  # per query block
+        if masked:  # (each query block's turns: the key blocks its rows see)
+            sides = (left, 0 if causal else right)
+            turns = fewest_turns(seqlen_q, seqlen_k, tile_m, keys_per_cta(d, d_v), *sides)
+        else:
+            turns = -(-seqlen_k // keys_per_cta(d, d_v)) if seqlen_q > 0 else 0  # per query block
         reached = sm90_bwd_ws.laps_reached(turns, chains) if laps else turns  # (copies with a turn)
-        if turns == 0:  # no kernel runs
+        if turns == 0:  # no kernel runs, or some block gets no turn: all of dQacc
             (frag if dq_fragments else dq_acc).zero_()
-        elif reached < chains:  # the copies no turn reaches
+        elif reached < chains:  # the copies not every block's turns reach
             if dq_fragments:
                 frag.view(batch, heads, chains, blocks * tile_m, d)[:, :, reached:].zero_()
             else:

@@ -149,12 +149,27 @@ EXP_EARLY_SHARES = {"all": 1.0, "half": 0.5, "quarter": 0.25, "none": 0.0}
 # TFLOP/s, d256 257/253 -> 267/278, d64 flat; 933 deterministic tests passed. On. Read when a
 # kernel is built, like `DKV_TMA_TILES`.
 DQ_STORE_FIRST = True
+# The same with causal or a window (session 37). There a query block's turns are the key blocks
+# its rows see (`Mask.block_range_local`), so the host zeroes dQacc's copies from the fewest turns
+# any block gets (`sm90_bwd.fewest_turns`) on: with causal and seqlen_k >= seqlen_q every block
+# gets a turn (d256's 48-key CTAs: at least 2), and dQacc goes unzeroed. Why: deterministic d256
+# causal runs at 81-82% of plain (v37, H100; target 85%), and its two zeroed chain copies are 256
+# MB of writes (~85 us of ~2.8 ms); the first turn's store also skips the add's read. Predicted:
+# +2-5% at d256 causal deterministic, +1-3% at d64 / d128 causal deterministic. Measured (H100,
+# session 37, `bwd_profile --ab`, bf16 B4 N4096, 6 rounds): d256 causal 244.9 -> 253.5 TFLOP/s
+# (+3.5%, rounds apart), d128 causal 459 -> 454, d64 causal 408 -> 413 (both within the rounds'
+# spread); the backward preset then put d256 causal deterministic at 86% of plain (81-82% before).
+# 588 deterministic GPU tests passed with it (causal, windows, 2-3 chains at every head dim). Read
+# when a kernel is built.
+DQ_STORE_FIRST_MASKED = True
 
 
 def store_first(deterministic: bool, dq_writer: bool, masked: bool, varlen: bool) -> bool:
-    """Whether a deterministic kernel stores its first turn's dQ (`DQ_STORE_FIRST`): the kernel
-    (`set_dq_writer`) and the host (dQacc not zeroed) ask the same. masked: causal or a window."""
-    return DQ_STORE_FIRST and deterministic and dq_writer and not masked and not varlen
+    """Whether a deterministic kernel stores its first turn's dQ (`DQ_STORE_FIRST`, with causal or
+    a window `DQ_STORE_FIRST_MASKED`): the kernel (`set_dq_writer`) and the host (dQacc not zeroed)
+    ask the same. masked: causal or a window."""
+    on = DQ_STORE_FIRST and (DQ_STORE_FIRST_MASKED or not masked)
+    return on and deterministic and dq_writer and not varlen
 
 
 # Deterministic dQ's chains as laps (session 35; on since session 36): with the rotated walk
