@@ -45,6 +45,7 @@ import sys
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import numpy as np
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
@@ -860,17 +861,26 @@ def fewest_turns(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, left: i
     forward's rule, `Mask.block_range_local`, with `emulate.block_range`'s sides: -1 no limit,
     causal right = 0): every block of dQacc gets at least this many deterministic turns. 0 when
     some block's rows see no key, or there are no keys (no kernel runs) or no query blocks."""
-    import numpy as np
-
     blocks, num_n = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     if blocks == 0 or num_n == 0:
         return 0
-    first = np.arange(blocks, dtype=np.int64) * tile_m + (seqlen_k - seqlen_q)  # first row's diagonal
-    n_max = np.full(blocks, num_n, dtype=np.int64)
-    if right >= 0:  # the last row's right limit, rounded up to whole blocks
-        n_max = np.minimum(n_max, -(-np.maximum(first + tile_m + right, 0) // tile_n))
-    n_min = np.maximum(first - left, 0) // tile_n if left >= 0 else np.zeros(blocks, dtype=np.int64)
-    return int(max((n_max - n_min).min(), 0))
+    offset = seqlen_k - seqlen_q
+
+    def seen(m):  # query block m's key blocks: [n_min, n_max), m an int or an array
+        first = m * tile_m + offset  # (the block's first row's diagonal)
+        n_max = num_n if right < 0 else np.minimum(num_n, -(-np.maximum(first + tile_m + right, 0) // tile_n))
+        n_min = 0 if left < 0 else np.maximum(first - left, 0) // tile_n
+        return n_max - n_min
+
+    # n_min and n_max never fall as m grows: without a left limit (n_min 0) block 0 sees the
+    # fewest, without a right one (n_max all) the last block; with both, any block may.
+    if left < 0:
+        fewest = seen(0)
+    elif right < 0:
+        fewest = seen(blocks - 1)
+    else:
+        fewest = seen(np.arange(blocks, dtype=np.int64)).min()
+    return int(max(fewest, 0))
 
 
 # The SM count `rotates` assumes for tensors off the GPU (the host tests' stand-in kernels).
