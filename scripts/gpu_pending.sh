@@ -23,11 +23,21 @@
 #      `gpu_pending.sh 31 0 1 2` runs the shards named, each on GPU (shard + 1) % GPUs at once where
 #      a machine has several (x4: GPUs 1, 2, 3, ~6 min), one after another on one GPU (~6 min each:
 #      one shard per call)
+#   33 the backward and backward-features presets with v37's switches (DQ_CHAINS_MASKED,
+#      DQ_STORE_FIRST_MASKED; v37 measured them on an H100 only; v36's H200 presets predate them),
+#      meant for an H200 (~5 min)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
 part=${1:-31}
+
+if [ "$part" = 33 ]; then
+    python -m hopper_fmha bench --preset backward --dtype bfloat16 float16 --out "$OUT/bench" > "$OUT/bench33.log" 2>&1
+    python -m hopper_fmha bench --preset backward-features --dtype bfloat16 --out "$OUT/bench" > "$OUT/features33.log" 2>&1
+    grep -h "hopper-fmha:auto" "$OUT/bench33.log" "$OUT/features33.log" | grep -E "^ +hopper"
+    exit 0
+fi
 
 if [ "$part" = 31 ]; then
     shift
