@@ -617,43 +617,26 @@ def test_dq_writer_warps_compile(monkeypatch):
     assert stack_bytes(two) <= stack_bytes(one)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
-def test_dq_store_first_compiles(monkeypatch, fragments):
-    # `sm90_bwd_ws.DQ_STORE_FIRST` (session 32's experiment, off): the writer warp's first turn of
-    # a block stores (TMA store, or in fragment order a 1-D bulk copy) where the others add; no
-    # more stack. d128 tile 80 rotated, or d64 tile 128 in fragment order, deterministic.
+def test_dq_store_first_compiles(monkeypatch, fragments, causal):
+    # `sm90_bwd_ws.DQ_STORE_FIRST` (session 32's experiment, on since v33), and with causal
+    # `DQ_STORE_FIRST_MASKED` (session 37): the writer warp's first turn of a block stores (TMA
+    # store, or in fragment order a 1-D bulk copy) where the others add; no more stack.
+    # Deterministic: d128 tile 80 rotated or d64 tile 128 in fragment order; causal, d128 tile 64.
     from hopper_fmha.kernels import sm90_bwd_ws
 
     d, tile, rotate = (64, 128, False) if fragments else (128, 80, True)
-    key = ("bfloat16", d, False, True, 2, True, False, False, False, False, False, tile, rotate, False)
+    if causal:
+        d, tile, rotate = 128, 64, False
+    key = ("bfloat16", d, causal, True, 2, True, False, False, False, False, False, tile, rotate, False)
     key = key + (fragments, None, True)
     cubins = []
     for on in (False, True):
-        monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST", on)
+        monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST_MASKED" if causal else "DQ_STORE_FIRST", on)
         cubins.append(bwd_cubin(*key))
     off, on = (sass_or_skip(c) for c in cubins)
-    store = "UBLKCP" if fragments else "UTMASTG"
-    if fragments:
-        assert store not in off
-    assert on.count(store) > off.count(store)
-    assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])
-
-
-@pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
-def test_dq_store_first_masked_compiles(monkeypatch, fragments):
-    # `sm90_bwd_ws.DQ_STORE_FIRST_MASKED` (session 37): with causal, the writer warp's first turn of
-    # a block stores too, as without a mask (TMA store, or in fragment order a 1-D bulk copy); no
-    # more stack. d128 causal tile 64, deterministic.
-    from hopper_fmha.kernels import sm90_bwd_ws
-
-    key = ("bfloat16", 128, True, True, 2, True, False, False, False, False, False, 64, False, False)
-    key = key + (fragments, None, True)
-    cubins = []
-    for on in (False, True):
-        monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", on)
-        cubins.append(bwd_cubin(*key))
-    off, on = (sass_or_skip(c) for c in cubins)
-    store = "UBLKCP" if fragments else "UTMASTG"  # (rows: dK, dV leave by TMA store too)
+    store = "UBLKCP" if fragments else "UTMASTG"  # (rows: dK, dV may leave by TMA store too)
     if fragments:
         assert store not in off
     assert on.count(store) > off.count(store)
