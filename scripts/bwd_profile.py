@@ -59,7 +59,7 @@ ON_OFF = (
     ("--dq-laps", sm90_bwd_ws, "DQ_LAPS", "deterministic: the rotated walk's chains as laps"),
     ("--varlen-dq-fragments", sm90_bwd, "VARLEN_DQ_FRAGMENTS", "the varlen backward's dQ in fragment order"),
     ("--dq-chains-masked", sm90_bwd, "DQ_CHAINS_MASKED", "deterministic: chains with causal or a window"),
-    ("--dq-store-first-masked", sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", "deterministic: the same, masked"),
+    ("--dq-store-first-masked", sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", "deterministic: first stores, masked"),
 )
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),

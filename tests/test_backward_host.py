@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from hopper_fmha.emulate import block_range
+from hopper_fmha.emulate_bwd import dq_order
 from hopper_fmha.reference import reference, visible_keys
 
 pytestmark = pytest.mark.cpu
@@ -143,23 +143,22 @@ def dense_kernel(
         dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), vv)
         ds = p * (dp - delta.double()[..., None]) * dtanh
         num_n, blocks = -(-k.shape[1] // block_keys), pad // tile_m
-        # The copy of each (query block, key block) pair: the pair's turn % k, the turns descending
-        # from the block's last key block with causal or a right limit, else ascending from its
-        # first (the kernel's `dq_turn`; unmasked, n % k; `laps`: the key block's lap).
-        sq, sk, descending = q.shape[1], k.shape[1], causal or right >= 0
-        ranges = [block_range(m * tile_m, tile_m, block_keys, sq, sk, left, right_) for m in range(blocks)]
+        # The copy of each (query block, key block) pair: the pair's turn % k, in the emulator's
+        # turn order (`emulate_bwd.dq_order`, the kernel's `dq_turn` but for the rotated walk,
+        # whose turns are only reordered; `laps`: the key block's lap).
+        sq, sk = q.shape[1], k.shape[1]
+        orders = [dq_order(m, tile_m, block_keys, sq, sk, left, right_) for m in range(blocks)]
         copy_of = torch.zeros(blocks, num_n, dtype=torch.long)
-        for m, (lo, hi) in enumerate(ranges):
-            for n in range(num_n):
-                turn = hi - 1 - n if descending else n - lo
+        for m, order in enumerate(orders):
+            for turn, n in enumerate(order):
                 copy_of[m, n] = n // -(-num_n // dq_chains) if laps else turn % dq_chains
         pair = copy_of[torch.arange(q.shape[1]) // tile_m][:, torch.arange(k.shape[1]) // block_keys]
         for c in range(dq_chains):
             dq_part = torch.einsum("bhqk,bkhd->bqhd", ds * (pair == c), kk) * (1.0 if dq_unscaled else scale)
             copy = dq_acc[:, c * pad : c * pad + q.shape[1]]
-            for m, (lo, hi) in enumerate(ranges if stored else ()):  # the first turn's store: the
+            for m, order in enumerate(orders if stored else ()):  # the first turn's store: the
                 # block's padded rows, where one of the key blocks its rows see adds into this copy
-                if not (copy_of[m, lo:hi] == c).any():
+                if not any(copy_of[m, n] == c for n in order):
                     continue
                 if dq_fragments:
                     rows = (copy.shape[0], copy.shape[2], tile_m * q.shape[3])
@@ -499,21 +498,17 @@ def test_dq_store_first_masked(
 
 
 def test_fewest_turns():
-    # `sm90_bwd.fewest_turns` against the forward's block range per query block
-    # (`emulate.block_range`, the rule `Mask.block_range_local` follows): the minimum over blocks
-    # of the key blocks each visits, 0 where some block visits none; random shapes and windows.
+    # `sm90_bwd.fewest_turns` against the emulator's turns per query block (`emulate_bwd.dq_order`,
+    # the key blocks of the forward's block range, the rule `Mask.block_range_local` follows): the
+    # fewest over blocks, 0 where some block gets none; random shapes and windows.
     g = torch.Generator().manual_seed(1)
     for _ in range(400):
         sq, sk = (int(x) for x in torch.randint(0, 700, (2,), generator=g))
         tile_m, tile_n = (64, 80, 128)[int(torch.randint(3, (1,), generator=g))], (48, 96, 128)[_ % 3]
         left, right = (int(x) - 1 if x < 300 else -1 for x in torch.randint(0, 400, (2,), generator=g))
-        blocks = -(-sq // tile_m)
-        seen = [
-            (lambda r: r[1] - r[0])(block_range(m * tile_m, tile_m, tile_n, sq, sk, left, right))
-            for m in range(blocks)
-        ]
         case = (sq, sk, tile_m, tile_n, left, right)
-        assert sm90_bwd.fewest_turns(*case) == min(seen, default=0), case
+        turns = [len(dq_order(m, tile_m, tile_n, sq, sk, left, right)) for m in range(-(-sq // tile_m))]
+        assert sm90_bwd.fewest_turns(*case) == min(turns, default=0), case
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked-only", "chains-masked"])
