@@ -156,3 +156,36 @@ def test_ws_features_at_d96(hopper_gpu, d, name, causal, window_kind, softcap, w
     assert config.select_config(d, "ws").tile_m == 192
     args = (name, causal, window_kind, softcap, with_sink, seqlens, "gqa")
     test_ws_features(hopper_gpu, torch.bfloat16, d, *args)
+
+
+# Softcap's fixed reference (`kernels/softmax.py`, SOFTCAP_FIXED_MAX): caps on both sides of its
+# limit (cap * log2 e <= SOFTCAP_FIXED_SPAN: 55 takes the fixed reference, 56 and 200 the running
+# max), on rows whose scores all sit at the cap's two ends (t = tanh(...) = +1 or -1: the ends of
+# the fixed reference's exponent range) beside rows of random scores.
+@pytest.mark.parametrize("with_sink", [False, True], ids=["plain", "sink"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cap", [5.0, 30.0, 55.0, 56.0, 200.0])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_ws_softcap_range(hopper_gpu, dtype, d, cap, causal, with_sink):
+    from hopper_fmha.kernels import softmax
+
+    assert (cap * math.log2(math.e) <= softmax.SOFTCAP_FIXED_SPAN) == (cap <= 55.0)
+    seed = zlib.crc32(repr((d, cap, causal, with_sink, str(dtype))).encode()) % 2**31
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sq, sk, h = 300, 517, 4
+    u = torch.randn(d, device="cuda", generator=g)
+    u = u / u.norm()
+    # Every key leans along u; a third of the rows along +u, a third along -u (q.k near +-16 for
+    # all keys: t saturates at +-1 with scale = cap), the rest random.
+    k = 4 * u + 0.3 * torch.randn(1, sk, h, d, device="cuda", generator=g)
+    q = 0.3 * torch.randn(1, sq, h, d, device="cuda", generator=g)
+    lean = torch.tensor([4.0, -4.0, 0.0], device="cuda").repeat(sq // 3 + 1)[:sq]
+    q = q + lean[None, :, None, None] * u
+    v = torch.randn(1, sk, h, d, device="cuda", generator=g)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    sink = torch.randn(h, device="cuda", dtype=torch.float32, generator=g) * 2 if with_sink else None
+    cfg = config.select_config(d, "ws")
+    out, lse = run_kernel(q, k, v, cap, causal, cfg, None, cap, sink)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert_close_to_reference(q, k, v, cap, causal, out, lse, softcap=cap, sink=sink)
