@@ -158,19 +158,15 @@ def test_ws_features_at_d96(hopper_gpu, d, name, causal, window_kind, softcap, w
     test_ws_features(hopper_gpu, torch.bfloat16, d, *args)
 
 
-# Softcap's fixed reference (`kernels/softmax.py`, SOFTCAP_FIXED_MAX): caps on both sides of its
-# limit (cap * log2 e <= SOFTCAP_FIXED_SPAN: 55 takes the fixed reference, 56 and 200 the running
-# max), on rows whose scores all sit at the cap's two ends (t = tanh(...) = +1 or -1: the ends of
-# the fixed reference's exponent range) beside rows of random scores.
+# Softcap at caps from 5 to 200 on rows whose scores all sit at the cap's two ends (t = tanh(...) =
+# +1 or -1) beside rows of random scores: the range a softcap softmax must hold (session 38's
+# fixed-reference softmax, withdrawn, overflowed fp16's P here: NOTES "v38").
 @pytest.mark.parametrize("with_sink", [False, True], ids=["plain", "sink"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("cap", [5.0, 30.0, 55.0, 56.0, 200.0])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_ws_softcap_range(hopper_gpu, dtype, d, cap, causal, with_sink):
-    from hopper_fmha.kernels import softmax
-
-    assert (cap * math.log2(math.e) <= softmax.SOFTCAP_FIXED_SPAN) == (cap <= 55.0)
     seed = zlib.crc32(repr((d, cap, causal, with_sink, str(dtype))).encode()) % 2**31
     g = torch.Generator(device="cuda").manual_seed(seed)
     sq, sk, h = 300, 517, 4

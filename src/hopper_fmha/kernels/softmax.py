@@ -20,10 +20,6 @@ Score features, each one field of the compile key:
   S into tanh(S * softmax_scale / cap) (tanh.approx) before the mask and the row max; the kernel
   then sets scale_log2 = cap * log2 e, so the exponent and the LSE see s itself. Called before
   the mask, so masked entries (-inf) stay -inf (tanh(-inf) would be -1).
-  Since tanh bounds every score to (-cap, cap), the exponentials are taken against a fixed
-  reference instead of the running row max where the whole range fits fp32's exponent
-  (`SOFTCAP_FIXED_MAX`: cap * log2 e <= SOFTCAP_FIXED_SPAN, i.e. cap <= 55.4): no row max, no
-  shuffles, no rescale of O, and the exponentials need not wait for a max.
 - learnable sink (`finalize`'s sink_log2: the head's sink logit * log2 e, in the units of s):
   joins every row's denominator, taken against max(row max, sink) so that neither overflows;
   the LSE includes it (lse = log(sum exp(s) + exp(sink))); a row with no key gets O = 0 and
@@ -43,22 +39,6 @@ from .sm90_common import LN_2, acc_mn_layout, pinned_wait_group
 # Lazy rescaling: the softmax max moves only when a row's max grows by more than this (log2 units).
 RESCALE_THRESHOLD = 8.0
 
-# Softcap's fixed reference (session 38). With softcap the kernel's scores are t = tanh(...) in
-# [-1, 1] and the exponent is t * A with A = cap * log2 e, so every exponent lies in [-A, A]. Taken
-# against the fixed c = max(A - SOFTCAP_FIXED_TOP, 0) rather than the row's running max, each
-# exponential exp2(t * A - c) lies in [2^(-A - c), 2^(A - c)]: at most 2^64 (no overflow of P, of
-# its row sums or of O for any |V| below 2^30 at 2^30 keys) and, for A <= SOFTCAP_FIXED_SPAN, at
-# least 2^-96, a normal fp32 number, so no term flushes to zero, and P's relative rounding is that
-# of the running-max path. The row max (64 FMNMX per thread and block at d128), its two shuffles,
-# the vote and O's rescale drop out, and the exponentials need not wait for the max. Why: softcap
-# cost 11-14% of the plain rate (H200) against the issue's 10%; per warp and block its tanh and
-# exponentials are 128 MUFU ops, issued while the other warpgroup runs its GEMMs (pingpong), so
-# the softmax's path is what a softcap block adds. Larger caps (A > SOFTCAP_FIXED_SPAN) keep the
-# running max: a uniform branch on the runtime cap. Read when a kernel is built.
-SOFTCAP_FIXED_MAX = True
-SOFTCAP_FIXED_SPAN = 80.0
-SOFTCAP_FIXED_TOP = 64.0
-
 
 @dataclass(frozen=True)
 class Softmax:
@@ -75,9 +55,6 @@ class Softmax:
     mma_rowsum: cutlass.Constexpr[bool] = False
     # softcap: softmax_scale / cap (runtime), None when off (then scale_log2 = cap * log2 e).
     softcap_scale: Float32 = None
-    # softcap with SOFTCAP_FIXED_MAX: whether this launch's cap takes the fixed reference (runtime,
-    # scale_log2 <= SOFTCAP_FIXED_SPAN); None: the running max always.
-    softcap_fixed: cutlass.Boolean = None
 
     @staticmethod
     def create(
@@ -86,10 +63,7 @@ class Softmax:
         """Statistics of `rows` rows per thread (registers, set by `reset`)."""
         row_max = cute.make_rmem_tensor((rows,), Float32)
         row_sum = cute.make_rmem_tensor((rows,), Float32)
-        fixed = None
-        if const_expr(softcap_scale is not None and SOFTCAP_FIXED_MAX):
-            fixed = scale_log2 <= Float32(SOFTCAP_FIXED_SPAN)
-        return Softmax(scale_log2, row_max, row_sum, mma_rowsum, softcap_scale, fixed)
+        return Softmax(scale_log2, row_max, row_sum, mma_rowsum, softcap_scale)
 
     @cute.jit
     def apply_softcap(self, acc_S: cute.Tensor):
@@ -101,14 +75,7 @@ class Softmax:
 
     @cute.jit
     def reset(self):
-        """Before a tile: sums 0; the max -inf, or softcap's fixed reference (in units of t:
-        c / A, so that max * scale_log2 = c)."""
-        start = -Float32.inf
-        if const_expr(self.softcap_fixed is not None):
-            if self.softcap_fixed:
-                offset = cutlass.max(self.scale_log2 - Float32(SOFTCAP_FIXED_TOP), Float32(0.0))
-                start = offset / self.scale_log2
-        self.row_max.fill(start)
+        self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
 
     @cute.jit
@@ -121,11 +88,10 @@ class Softmax:
         """S -> exp2(S*scale - max*scale) in place; updates the row stats; returns O's row rescale
         and whether any row of this warp has one (None for the first block: nothing to rescale).
 
-        Row maxima first (softcap's fixed reference: none), then S*scale - max for every element,
-        then the exponentials, then the sums (not with mma_rowsum: the tensor cores sum P).
-        row_sum stays a per-thread partial sum (the quad reduction happens once, in `finalize`).
-        wait_pv_after > 0: wait for the warpgroup's GEMMs in flight (GEMM-II) after that many
-        exponentials (`pinned_wait_group`).
+        Row maxima first, then S*scale - max for every element, then the exponentials, then the
+        sums (not with mma_rowsum: the tensor cores sum P). row_sum stays a per-thread partial sum
+        (the quad reduction happens once, in `finalize`). wait_pv_after > 0: wait for the
+        warpgroup's GEMMs in flight (GEMM-II) after that many exponentials (`pinned_wait_group`).
         """
         row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
         acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
@@ -133,55 +99,6 @@ class Softmax:
         cols = cute.size(acc_S_mn, mode=[1])
         row_scale = cute.make_rmem_tensor(row_max.layout, Float32)
         max_scaled = cute.make_rmem_tensor(row_max.layout, Float32)
-        if const_expr(self.softcap_fixed is None):
-            rescale = self.track_max(acc_S_mn, is_first, row_scale, max_scaled)
-        elif const_expr(is_first):
-            rescale = None
-            if self.softcap_fixed:
-                self.fixed_reference(row_scale, max_scaled)
-            else:
-                self.track_max(acc_S_mn, True, row_scale, max_scaled)
-        else:
-            rescale = cutlass.Boolean(False)
-            if self.softcap_fixed:
-                self.fixed_reference(row_scale, max_scaled)
-            else:
-                rescale = self.track_max(acc_S_mn, False, row_scale, max_scaled)
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                acc_S_mn[r, c] = acc_S_mn[r, c] * scale_log2 - max_scaled[r]
-        for i in cutlass.range_constexpr(rows * cols):
-            acc_S_mn[i // cols, i % cols] = cute.math.exp2(acc_S_mn[i // cols, i % cols], fastmath=True)
-            if const_expr(i + 1 == min(wait_pv_after, rows * cols)):
-                pinned_wait_group(acc_S_mn[i // cols, i % cols])
-        if const_expr(not self.mma_rowsum):
-            for r in cutlass.range_constexpr(rows):
-                sums = [Float32(0.0)] * 4
-                for c in cutlass.range_constexpr(cols):
-                    sums[c % 4] = sums[c % 4] + acc_S_mn[r, c]
-                block_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
-                if const_expr(is_first):
-                    row_sum[r] = block_sum
-                else:
-                    row_sum[r] = row_sum[r] * row_scale[r] + block_sum
-        return row_scale, rescale
-
-    @cute.jit
-    def fixed_reference(self, row_scale: cute.Tensor, max_scaled: cute.Tensor):
-        """Softcap's fixed reference (`SOFTCAP_FIXED_MAX`): the exponent's offset c per row, and no
-        rescale."""
-        for r in cutlass.range_constexpr(cute.size(row_scale)):
-            max_scaled[r] = self.row_max[r] * self.scale_log2
-            row_scale[r] = Float32(1.0)
-
-    @cute.jit
-    def track_max(self, acc_S_mn: cute.Tensor, is_first: cutlass.Constexpr[bool], row_scale, max_scaled):
-        """The running row max of S (rows of acc_S_mn): max_scaled = the exponent's offset per row,
-        row_scale = O's factor; returns whether any row of the warp rescales (None for the first
-        block)."""
-        row_max, scale_log2 = self.row_max, self.scale_log2
-        rows = cute.size(row_max)
-        cols = cute.size(acc_S_mn, mode=[1])
         m_seen = cute.make_rmem_tensor(row_max.layout, Float32)
         for r in cutlass.range_constexpr(rows):
             # Four independent max chains for ILP, then the quad (4 lanes own a row) reduction.
@@ -216,7 +133,24 @@ class Softmax:
                     row_max[r] = m_seen[r]
             for r in cutlass.range_constexpr(rows):
                 max_scaled[r] = self.exp_base(row_max[r], scale_log2)
-        return rescale
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cols):
+                acc_S_mn[r, c] = acc_S_mn[r, c] * scale_log2 - max_scaled[r]
+        for i in cutlass.range_constexpr(rows * cols):
+            acc_S_mn[i // cols, i % cols] = cute.math.exp2(acc_S_mn[i // cols, i % cols], fastmath=True)
+            if const_expr(i + 1 == min(wait_pv_after, rows * cols)):
+                pinned_wait_group(acc_S_mn[i // cols, i % cols])
+        if const_expr(not self.mma_rowsum):
+            for r in cutlass.range_constexpr(rows):
+                sums = [Float32(0.0)] * 4
+                for c in cutlass.range_constexpr(cols):
+                    sums[c % 4] = sums[c % 4] + acc_S_mn[r, c]
+                block_sum = (sums[0] + sums[1]) + (sums[2] + sums[3])
+                if const_expr(is_first):
+                    row_sum[r] = block_sum
+                else:
+                    row_sum[r] = row_sum[r] * row_scale[r] + block_sum
+        return row_scale, rescale
 
     @cute.jit
     def exp_base(self, m: Float32, scale_log2: Float32) -> Float32:
