@@ -14,8 +14,7 @@
 # bench/results/2026-11-28-h200-v35) at ed51f72, 28-30 (session 36) at b3033b5, 32 (session 37,
 # bench/results/2026-12-06-h100-v37) in the commit that adds that folder, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
 # Each results README names its files' parts.
-#   31 the whole of tests/test_gpu_backward.py with v37's defaults (session 38 ran shards 0 and 1,
-#      0 failed, bench/results/2026-12-06-h100-v38: `gpu_pending.sh 31 2` is left) (DQ_LAPS, LPT_HEADS = 4,
+#   31 the whole of tests/test_gpu_backward.py with v37's defaults (DQ_LAPS, LPT_HEADS = 4,
 #      VARLEN_DQ_FRAGMENTS, DQ_CHAINS_MASKED, DQ_STORE_FIRST_MASKED on; v36 ran 1737 of its
 #      tests; v37 the 84 of `-k dq_chains2_masked`, the 1060 of `-k "dq_laps or lpt or row_order
 #      or varlen or sink or (determin and (256 or causal or window))"` before DQ_STORE_FIRST_MASKED
@@ -24,6 +23,8 @@
 #      `gpu_pending.sh 31 0 1 2` runs the shards named, each on GPU (shard + 1) % GPUs at once where
 #      a machine has several (x4: GPUs 1, 2, 3, ~6 min), one after another on one GPU (~6 min each:
 #      one shard per call)
+#      Session 38 ran shards 0 and 1 (0 failed; 3 of shard 1 not reached; bench/results/2026-12-06-h100-v38): `gpu_pending.sh
+#      31 2` is left.
 #   33 the backward and backward-features presets with v37's switches (DQ_CHAINS_MASKED,
 #      DQ_STORE_FIRST_MASKED; v37 measured them on an H100 only; v36's H200 presets predate them),
 #      meant for an H200 (~5 min)
