@@ -60,6 +60,7 @@ ON_OFF = (
     ("--varlen-dq-fragments", sm90_bwd, "VARLEN_DQ_FRAGMENTS", "the varlen backward's dQ in fragment order"),
     ("--dq-chains-masked", sm90_bwd, "DQ_CHAINS_MASKED", "deterministic: chains with causal or a window"),
     ("--dq-store-first-masked", sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", "deterministic: first stores, masked"),
+    ("--plain-rotate", sm90_bwd, "PLAIN_ROTATE", "not deterministic: the rotated walk (no causal or window)"),
 )
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),

@@ -33,6 +33,9 @@
 #      backward each of ours, cuDNN (SDPA) and FA4 under ncu, every kernel, with DRAM and L2 bytes,
 #      throughputs and time (`$OUT/ncu34.csv`, summed per backend by the lines printed). Run it on
 #      an H100 and on an H200 (~2 min each).
+#   35 `sm90_bwd.PLAIN_ROTATE` (session 38, built, off): its 34 GPU tests (`-k plain_rotated`), then
+#      `bwd_profile --ab plain-rotate=off plain-rotate=on` (bf16 B4 N4096, one process, rotating
+#      rounds) at d256 H8, d128 H16 and d64 H32, non-causal (~4 min); on an H100 and an H200.
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -82,6 +85,17 @@ for r in rows:  # one line per kernel and metric
     if r[col["Metric Name"]].endswith((".sum", "elapsed")):
         print(f"{r[col['Kernel Name']][:60]:60s} {r[col['Metric Name']]:70s} {r[col['Metric Unit']]:8s} {r[col['Metric Value']]}")
 PY
+    done
+    exit 0
+fi
+
+if [ "$part" = 35 ]; then
+    HOPPER_FMHA_CACHE_DIR=/tmp/kc35 python scripts/gpu_tier.py tests/test_gpu_backward.py -k plain_rotated \
+        --out /tmp/tier35 --archive "$OUT/tier35.tar.gz" --procs 15 --budget 150 --stall 90 > "$OUT/tier35.log" 2>&1
+    tail -1 "$OUT/tier35.log"; grep -h "^FAILED" /tmp/tier35/report*.txt | head -10
+    for dh in 256:8 128:16 64:32; do
+        python scripts/bwd_profile.py --d "${dh%%:*}" --heads "${dh##*:}" --dtype bfloat16 --rounds 8 \
+            --ab plain-rotate=off plain-rotate=on 2>&1 | grep " v2 \[" | tee -a "$OUT/ab35.txt"
     done
     exit 0
 fi

@@ -1594,6 +1594,13 @@ def test_rotation_needs_a_heads_key_blocks_resident(monkeypatch):
             assert not sm90_bwd.rotates(*args, sms * tile_n + 1, cpu, *dims)
             assert not sm90_bwd.rotates(True, 2, True, -1, -1, tile_n, cpu, *dims)  # causal
             assert not sm90_bwd.rotates(False, 2, False, -1, -1, tile_n, cpu, *dims)
+    # Not deterministic: only with `PLAIN_ROTATE`, at any length (no turns), never causal or windowed.
+    monkeypatch.setattr(sm90_bwd, "PLAIN_ROTATE", True)
+    for dims, tile_n in (((128, 128), 128), ((256, 256), 48)):
+        assert sm90_bwd.rotates(False, 2, False, -1, -1, 2 * sms * tile_n, cpu, *dims)
+        assert not sm90_bwd.rotates(False, 2, True, -1, -1, tile_n, cpu, *dims)
+        assert not sm90_bwd.rotates(False, 2, False, 100, -1, tile_n, cpu, *dims)
+        assert not sm90_bwd.rotates(False, 1, False, -1, -1, tile_n, cpu, *dims)
 
 
 def test_disk_cache_names_follow_the_build(kernels, monkeypatch, tmp_path):

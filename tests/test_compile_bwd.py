@@ -448,6 +448,30 @@ def test_dq_laps_compiles(monkeypatch, d, tile, chains):
     assert stack_bytes(cubins[1]) <= max(stack_bytes(cubins[0]), 0 if d == 256 else 8)
 
 
+# `sm90_bwd.PLAIN_ROTATE` (session 38, off): the non-deterministic kernels walk rotated (d128 tile
+# 80, d64 tile 128, the wide d256, as `sm90_bwd.backward` builds them): a different kernel, no more
+# stack than the plain walk's.
+PLAIN_ROTATE_TILES = [(128, 80), (64, 128), (256, 64)]
+
+
+@pytest.mark.parametrize("d, tile", PLAIN_ROTATE_TILES, ids=["d128-tile80", "d64", "wide-d256"])
+def test_plain_rotated_walk_compiles(d, tile):
+    from hopper_fmha.kernels.sm90_bwd import compile_bwd
+
+    cubins = []
+    for rotate in (False, True):
+        with tempfile.TemporaryDirectory() as dump:
+            cubins.append(
+                compile_bwd(
+                    "bfloat16", d, False, False, mha=True, tile_m=tile, rotate=rotate, dq_writer=True,
+                    dq_fragments=True, head_dim_v=d, options=f"--keep-cubin --dump-dir={dump}",
+                ).artifacts.CUBIN
+            )  # fmt: skip
+    plain, rotated = (sass_or_skip(c) for c in cubins)
+    assert plain != rotated
+    assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])
+
+
 # `sm90_bwd_ws.LPT_HEADS` (session 35): the causal non-deterministic kernels (d128 tile 64, d64
 # tile 128, the wide d256) take their CTA's place from `lpt_place`: a different kernel, the main
 # loop's registers and stack as before; deterministic and varlen kernels ignore it.

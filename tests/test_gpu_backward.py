@@ -958,6 +958,31 @@ def test_dq_laps_bitwise(hopper_gpu, wide, dq_laps):
     test_deterministic_is_bitwise_reproducible(hopper_gpu, False, 256)  # 100 repeats
 
 
+# The non-deterministic rotated walk (`sm90_bwd.PLAIN_ROTATE`, session 38, off by default): the
+# plain backward's gradients by the reference with it on, at d64, d128, d256 and 192/128, MHA and
+# GQA, on the laps' shapes (a head's key blocks more and fewer than its query blocks), and varlen.
+@pytest.fixture
+def plain_rotate(monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "PLAIN_ROTATE", True)
+
+
+PLAIN_ROTATE_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", LAPS_SEQLENS, ids=[f"{a}x{b}" for a, b in LAPS_SEQLENS])
+@pytest.mark.parametrize("dims", PLAIN_ROTATE_DIMS, ids=["d64", "d128", "d256", "d192-dv128"])
+def test_plain_rotated_walk(hopper_gpu, plain_rotate, dims, seqlens, heads):
+    test_score_features_backward(hopper_gpu, torch.bfloat16, False, dims[0], "plain", seqlens, heads, dims[1])
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_plain_rotated_walk_varlen(hopper_gpu, plain_rotate, d):
+    test_varlen_backward(hopper_gpu, torch.bfloat16, False, d, "full", "gqa")
+
+
 # Causal CTAs longest first in groups of heads (`sm90_bwd_ws.LPT_HEADS`, 4 since session 36) and in
 # the grid's order (0): the CTA's (key block, head, batch) from `lpt_place`, at d64, d128 and d256,
 # MHA/GQA/MQA (GQA's atomic dK, dV sums), heads not a multiple of the group, a window and softcap.

@@ -812,6 +812,17 @@ D64_TILE_M = 128
 D128_TILE_M = 80
 
 
+# The rotated walk without deterministic mode too (session 38; built, off: not measured yet). Why:
+# without it every CTA of a head starts at query block 0 and walks up, so a head's CTAs (86 at
+# d256, 48 keys each, N 4096) reduce-add their dQ into the same 64 KB block at about the same time,
+# and read the same Q and dO blocks. Rotated, CTA n starts at block n * (C // num_n) (`walk`), the
+# adds spread over the head's blocks. A question for the GPU: the d256 backward runs at 371-374
+# TFLOP/s on the H200 but 300-326 on the H100 (cuDNN 346-386 on both; NOTES "Next", backward 7).
+# Any head dim, no causal or window (the walk covers [m_min, m_max) in any order; no turns). Part of
+# the compile key (`rotate`). `bwd_profile --plain-rotate on` / `--ab plain-rotate=on`.
+PLAIN_ROTATE = False
+
+
 def rotates(
     deterministic: bool,
     version: int,
@@ -830,9 +841,12 @@ def rotates(
     as the earliest unfinished head then always has every CTA launched. (The SM count is torch's:
     a MIG slice's own; an MPS client limited to fewer SMs than that is not covered.) head_dim,
     head_dim_v: the kernel's (the wide kernel's only with WIDE_ROTATE), whose keys per CTA
-    (`keys_per_cta`) make a head's CTAs, one per SM in both kernels."""
-    if not (deterministic and version == 2 and not causal and left < 0 and right < 0):
+    (`keys_per_cta`) make a head's CTAs, one per SM in both kernels. Not deterministic: where
+    `PLAIN_ROTATE` is on (no turns, so no residency rule), without causal or window."""
+    if not (version == 2 and not causal and left < 0 and right < 0):
         return False
+    if not deterministic:
+        return PLAIN_ROTATE
     if head_dim > HEAD_DIMS[-1] and not WIDE_ROTATE:
         return False
     keys = keys_per_cta(head_dim, head_dim if head_dim_v is None else head_dim_v)

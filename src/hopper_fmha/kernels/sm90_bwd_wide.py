@@ -142,9 +142,10 @@ class BwdWideSm90(BwdWsSm90):
         self.rows_stride = TILE_M
         self.mask = Mask(TILE_M, self.tile_n, causal, window_left, window_right)
         self.descending = causal or window_right
-        # Deterministic without causal or window, with a head's key blocks resident at once: the
-        # rotated walk and turns of `sm90_bwd_ws` (`walk`, `walk_block`, `turn`; `sm90_bwd.rotates`).
-        assert not rotate or (deterministic and not (causal or window_left or window_right)), "rotate"
+        # Without causal or window (deterministic: with a head's key blocks resident at once; not:
+        # `sm90_bwd.PLAIN_ROTATE`): the rotated walk (and turns) of `sm90_bwd_ws` (`walk`,
+        # `walk_block`, `turn`; `sm90_bwd.rotates`).
+        assert not rotate or not (causal or window_left or window_right), "rotate: no causal or window"
         self.rotate = rotate
         self.dkv_tma = False
         # dQ's adds (deterministic: and the turns) by the producer warpgroup's second warp, as

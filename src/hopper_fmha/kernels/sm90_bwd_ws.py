@@ -289,11 +289,12 @@ class BwdWsSm90(BwdSm90):
         tile_m: queries per step, 64 or (d64 only) 128, FA4's d64 tile: S^T of 64 keys x 128
         queries per warpgroup, and dQ split by query rows (each warpgroup 64 rows x d, K = 128
         keys) instead of by column halves.
-        rotate (deterministic, no causal or window: every key block visits every query block):
-        CTA n walks the query blocks from n * (C // num_n) on, wrapping (C query blocks, num_n key
-        blocks), and the turns at block m go in the order the CTAs reach it (`turn`). The host
-        sets it only where a head's key blocks fit on the GPU at once (`sm90_bwd.rotates`): the
-        order has one wrap-around wait on a later-launched CTA.
+        rotate (no causal or window: every key block visits every query block): CTA n walks the
+        query blocks from n * (C // num_n) on, wrapping (C query blocks, num_n key blocks), and
+        (deterministic) the turns at block m go in the order the CTAs reach it (`turn`). The host
+        sets it, deterministic, only where a head's key blocks fit on the GPU at once
+        (`sm90_bwd.rotates`): the order has one wrap-around wait on a later-launched CTA; not
+        deterministic, with `sm90_bwd.PLAIN_ROTATE`.
         dq_writer: dQ's reduce-adds are issued (deterministic: the turns waited for and passed)
         by a warp of its own (the producer warpgroup's second, `write_dq`); the consumer
         warpgroups only stage dQ and go on (`sm90_bwd.DQ_WRITER_WARP`, `DQ_WRITER_PLAIN`).
@@ -308,7 +309,7 @@ class BwdWsSm90(BwdSm90):
         assert tile_m != 80 or (head_dim == 128 and not (causal or window_left or window_right or softcap)), (
             "tile_m 80: d128 without causal, window or softcap"
         )
-        assert not rotate or (deterministic and not (causal or window_left or window_right)), "rotate"
+        assert not rotate or not (causal or window_left or window_right), "rotate: no causal or window"
         assert LSE_LOAD in ("before_s", "after_s", "after_dp"), f"LSE_LOAD {LSE_LOAD!r}"
         assert EXP_EARLY is None or EXP_EARLY in EXP_EARLY_SHARES, f"EXP_EARLY {EXP_EARLY!r}"
         self.dtype = dtype
