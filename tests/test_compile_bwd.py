@@ -13,16 +13,16 @@ from hopper_fmha.kernels.inspect import kernel_resources, sass, sass_summary
 pytestmark = pytest.mark.compile
 
 
-def cubin_of(compile_fn, *key):
-    """The cubin `compile_fn(*key)` (compile_bwd or compile_preprocess) builds for sm_90a."""
+def cubin_of(compile_fn, *key, **switches):
+    """The cubin `compile_fn(*key, **switches)` (compile_bwd or compile_preprocess) builds for sm_90a."""
     with tempfile.TemporaryDirectory() as dump:
-        return compile_fn(*key, options=f"--keep-cubin --dump-dir={dump}").artifacts.CUBIN
+        return compile_fn(*key, **switches, options=f"--keep-cubin --dump-dir={dump}").artifacts.CUBIN
 
 
-def bwd_cubin(*key):
+def bwd_cubin(*key, **switches):
     from hopper_fmha.kernels.sm90_bwd import compile_bwd
 
-    return cubin_of(compile_bwd, *key)
+    return cubin_of(compile_bwd, *key, **switches)
 
 
 def stack_bytes(cubin) -> int:
@@ -404,18 +404,14 @@ def test_wide_kernel_compiles_without_spills(cfg, dims):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["plain", "deterministic"])
 @pytest.mark.parametrize("dims", list(WIDE_SHAPES), ids=[f"d{a}-dv{b}" for a, b in WIDE_SHAPES])
 def test_wide_dq_fragments(dims, deterministic):
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
-
-    cubins = []
-    for fragments in (False, True):
-        with tempfile.TemporaryDirectory() as dump:
-            cubins.append(
-                compile_bwd(
-                    "bfloat16", dims[0], False, deterministic, head_dim_v=dims[1], dq_writer=True,
-                    dq_fragments=fragments, dq_chains=2 if deterministic and dims[0] == 256 else 1,
-                    dq_writer_warps=2 if deterministic else 1, options=f"--keep-cubin --dump-dir={dump}",
-                ).artifacts.CUBIN
-            )  # fmt: skip
+    cubins = [
+        bwd_cubin(
+            "bfloat16", dims[0], False, deterministic, head_dim_v=dims[1], dq_writer=True,
+            dq_fragments=fragments, dq_chains=2 if deterministic and dims[0] == 256 else 1,
+            dq_writer_warps=2 if deterministic else 1,
+        )
+        for fragments in (False, True)
+    ]  # fmt: skip
     plain, frag = (sass_or_skip(c) for c in cubins)
     assert frag.count("STS.128") == plain.count("STS.128") + dims[0] // 16
     assert "UBLKRED.G.S.ADD.F32" in frag and "UTMAREDG" not in frag and "UTMAREDG" in plain
@@ -456,17 +452,13 @@ PLAIN_ROTATE_TILES = [(128, 80), (64, 128), (256, 64)]
 
 @pytest.mark.parametrize("d, tile", PLAIN_ROTATE_TILES, ids=["d128-tile80", "d64", "wide-d256"])
 def test_plain_rotated_walk_compiles(d, tile):
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
-
-    cubins = []
-    for rotate in (False, True):
-        with tempfile.TemporaryDirectory() as dump:
-            cubins.append(
-                compile_bwd(
-                    "bfloat16", d, False, False, mha=True, tile_m=tile, rotate=rotate, dq_writer=True,
-                    dq_fragments=True, head_dim_v=d, options=f"--keep-cubin --dump-dir={dump}",
-                ).artifacts.CUBIN
-            )  # fmt: skip
+    cubins = [
+        bwd_cubin(
+            "bfloat16", d, False, False, mha=True, tile_m=tile, rotate=rotate, dq_writer=True,
+            dq_fragments=True, head_dim_v=d,
+        )
+        for rotate in (False, True)
+    ]  # fmt: skip
     plain, rotated = (sass_or_skip(c) for c in cubins)
     assert plain != rotated
     assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])
