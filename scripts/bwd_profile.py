@@ -72,6 +72,13 @@ PLACES = (
         tuple(sm90_bwd_ws.EXP_EARLY_SHARES),
         "the share of P's exponentials before the wait for dP^T",
     ),
+    (
+        "--multicast",
+        sm90_bwd,
+        "QDO_MULTICAST",
+        {"off": frozenset(), "on": frozenset(sm90_bwd.HEAD_DIMS + (256,))},
+        "CTA pairs sharing Q and dO loads (plain dense walk), at every kernel head dim or none",
+    ),
 )
 
 
@@ -84,7 +91,9 @@ def switches() -> dict:
 
 def switch_value(choices: tuple, value: str):
     """A switch's module value for its flag's `value`: True / False for "on" / "off", an int for a
-    number, else the name."""
+    number, the value a dict of choices gives it, else the name."""
+    if isinstance(choices, dict):
+        return choices[value]
     if choices == ("on", "off"):
         return value == "on"
     return int(value) if value.isdigit() else value

@@ -36,6 +36,10 @@
 #   35 `sm90_bwd.PLAIN_ROTATE` (session 38, built, off): its 34 GPU tests (`-k plain_rotated`), then
 #      `bwd_profile --ab plain-rotate=off plain-rotate=on` (bf16 B4 N4096, one process, rotating
 #      rounds) at d256 H8, d128 H16 and d64 H32, non-causal (~4 min); on an H100 and an H200.
+#   36 `sm90_bwd.QDO_MULTICAST` (session 39, built, off): its 86 GPU tests (`-k qdo_multicast`), then
+#      `bwd_profile --ab multicast=off multicast=on` (bf16 B4 N4096, one process, rotating rounds)
+#      at d256 H8, d128 H16 and d64 H32, non-causal, and d256 at N 8192 (an odd count of key
+#      blocks: 171) (~5 min).
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -96,6 +100,18 @@ if [ "$part" = 35 ]; then
     for dh in 256:8 128:16 64:32; do
         python scripts/bwd_profile.py --d "${dh%%:*}" --heads "${dh##*:}" --dtype bfloat16 --rounds 8 \
             --ab plain-rotate=off plain-rotate=on 2>&1 | grep " v2 \[" | tee -a "$OUT/ab35.txt"
+    done
+    exit 0
+fi
+
+if [ "$part" = 36 ]; then
+    HOPPER_FMHA_CACHE_DIR=/tmp/kc36 python scripts/gpu_tier.py tests/test_gpu_backward.py -k qdo_multicast \
+        --out /tmp/tier36 --archive "$OUT/tier36.tar.gz" --procs 15 --budget 200 --stall 90 > "$OUT/tier36.log" 2>&1
+    tail -1 "$OUT/tier36.log"; grep -h "^FAILED" /tmp/tier36/report*.txt | head -10
+    for dhn in 256:8:4096 128:16:4096 64:32:4096 256:4:8192; do
+        IFS=: read -r d h n <<< "$dhn"
+        python scripts/bwd_profile.py --d "$d" --heads "$h" --seqlen "$n" --dtype bfloat16 --rounds 8 \
+            --ab multicast=off multicast=on 2>&1 | grep " v2 \[" | tee -a "$OUT/ab36.txt"
     done
     exit 0
 fi

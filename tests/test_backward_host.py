@@ -1603,6 +1603,39 @@ def test_rotation_needs_a_heads_key_blocks_resident(monkeypatch):
         assert not sm90_bwd.rotates(False, 1, False, -1, -1, tile_n, cpu, *dims)
 
 
+def test_qdo_multicast_takes_the_plain_dense_walk_only(monkeypatch):
+    # `sm90_bwd.QDO_MULTICAST` (off by default): CTA pairs only where neighbouring key blocks walk
+    # the same query blocks in the same order without turns; the kernels refuse anything else.
+    import cutlass
+
+    from hopper_fmha.kernels.sm90_bwd_wide import BwdWideSm90
+
+    assert sm90_bwd.QDO_MULTICAST == frozenset()
+    assert not sm90_bwd.multicasts(False, 2, False, -1, -1, False, 128)
+    monkeypatch.setattr(sm90_bwd, "QDO_MULTICAST", frozenset({128, 256}))
+    assert sm90_bwd.multicasts(False, 2, False, -1, -1, False, 128)
+    assert sm90_bwd.multicasts(False, 2, False, -1, -1, False, 256)
+    assert not sm90_bwd.multicasts(False, 2, False, -1, -1, False, 64)  # not listed
+    for args in (
+        (True, 2, False, -1, -1, False),  # deterministic: turns
+        (False, 1, False, -1, -1, False),  # version 1
+        (False, 2, True, -1, -1, False),  # causal: neighbours start at different blocks
+        (False, 2, False, 100, -1, False),  # windows likewise
+        (False, 2, False, -1, 0, False),
+        (False, 2, False, -1, -1, True),  # rotated: different starts
+    ):
+        assert not sm90_bwd.multicasts(*args, 128), args
+    bf16 = cutlass.BFloat16
+    assert BwdWsSm90(bf16, 128, False, multicast=True).cluster_n == 2
+    assert BwdWsSm90(bf16, 128, False).cluster_n == 1
+    assert BwdWideSm90(bf16, 256, 256, False, multicast=True).cluster_n == 2
+    for kwargs in (dict(causal=True), dict(deterministic=True), dict(varlen=True), dict(rotate=True)):
+        with pytest.raises(AssertionError, match="multicast"):
+            BwdWsSm90(bf16, 128, **{"causal": False, **kwargs}, multicast=True)
+    with pytest.raises(AssertionError, match="multicast"):
+        BwdWideSm90(bf16, 256, 256, False, window_left=True, multicast=True)
+
+
 def test_disk_cache_names_follow_the_build(kernels, monkeypatch, tmp_path):
     # `cache.build_name`: a kernel module's constant (here dK/dV's TMA tiles) or a method (a
     # measurement's probe) changed in-process names another kernel, so a kernel built before the

@@ -464,6 +464,35 @@ def test_plain_rotated_walk_compiles(d, tile):
     assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])
 
 
+# `sm90_bwd.QDO_MULTICAST` (session 39, off): the plain kernels (as `sm90_bwd.backward` builds them)
+# in CTA pairs: Q's and dO's loads become multicast TMAs, half as many as before (each CTA loads
+# half of every tile), the pair's barriers are set up across the cluster, and the consumer warps
+# signal the peer's empty barriers (a remote arrive); no more stack than the producer's 16 bytes.
+@pytest.mark.parametrize("d, tile", PLAIN_ROTATE_TILES, ids=["d128-tile80", "d64", "wide-d256"])
+def test_qdo_multicast_compiles(d, tile):
+    import re
+
+    cubins = [
+        bwd_cubin(
+            "bfloat16", d, False, False, mha=True, tile_m=tile, dq_writer=True, dq_fragments=True,
+            dq_unscaled=tile in (64, 80), head_dim_v=d, multicast=multicast,
+        )
+        for multicast in (False, True)
+    ]  # fmt: skip
+    single, pairs = (sass_or_skip(c) for c in cubins)
+
+    def count(pattern, text):
+        return len(re.findall(pattern, text))
+
+    loads = r"UTMALDG\.4D\s"  # Q, dO, K, V tiles (LSE and D are 3-D)
+    assert count(r"UTMALDG\.4D\.MULTICAST", single) == 0
+    assert count(r"UTMALDG\.4D\.MULTICAST", pairs) == count(loads, single) // 2 > 0
+    assert count(loads, pairs) == count(loads, single) // 2
+    assert count(r"UCGABAR_WAIT", pairs) >= 1 and count(r"UCGABAR_WAIT", single) == 0
+    assert count(r"SYNCS\.ARRIVE\.TRANS64\.RED", pairs) >= 2
+    assert stack_bytes(cubins[1]) <= max(stack_bytes(cubins[0]), 16)
+
+
 # `sm90_bwd_ws.LPT_HEADS` (session 35): the causal non-deterministic kernels (d128 tile 64, d64
 # tile 128, the wide d256) take their CTA's place from `lpt_place`: a different kernel, the main
 # loop's registers and stack as before; deterministic and varlen kernels ignore it.

@@ -983,6 +983,43 @@ def test_plain_rotated_walk_varlen(hopper_gpu, plain_rotate, d):
     test_varlen_backward(hopper_gpu, torch.bfloat16, False, d, "full", "gqa")
 
 
+# Q and dO shared by CTA pairs (`sm90_bwd.QDO_MULTICAST`, session 39, off by default): the plain
+# backward's gradients by the reference with pairs at every kernel head dim (d64, d128, d256,
+# 192/128), MHA and GQA (its atomic dK, dV sums), both types, on shapes whose key blocks are odd
+# in number (the grid's last CTA lies past the keys: it must add nothing and store nothing; 128
+# keys at d128 is one block, a pair of which one CTA works), even, and fewer and more than the
+# query blocks; softcap and a sink on the same walk; and the kernels the pairs must not change
+# (causal, window, deterministic, varlen) still right with the switch on.
+@pytest.fixture
+def qdo_multicast(monkeypatch):
+    from hopper_fmha.kernels import sm90_bwd
+
+    monkeypatch.setattr(sm90_bwd, "QDO_MULTICAST", frozenset({64, 128, 192, 256}))
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", LAPS_SEQLENS, ids=[f"{a}x{b}" for a, b in LAPS_SEQLENS])
+@pytest.mark.parametrize("dims", PLAIN_ROTATE_DIMS, ids=["d64", "d128", "d256", "d192-dv128"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_qdo_multicast(hopper_gpu, qdo_multicast, dtype, dims, seqlens, heads):
+    test_score_features_backward(hopper_gpu, dtype, False, dims[0], "plain", seqlens, heads, dims[1])
+
+
+@pytest.mark.parametrize("feature", ["softcap", "sink", "causal", "left", "deterministic"])
+@pytest.mark.parametrize("dims", PLAIN_ROTATE_DIMS, ids=["d64", "d128", "d256", "d192-dv128"])
+def test_qdo_multicast_features(hopper_gpu, qdo_multicast, dims, feature):
+    deterministic = feature == "deterministic"
+    feature = "plain" if deterministic else feature
+    test_score_features_backward(
+        hopper_gpu, torch.bfloat16, deterministic, dims[0], feature, (300, 1000), "gqa", dims[1]
+    )
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_qdo_multicast_varlen(hopper_gpu, qdo_multicast, d):
+    test_varlen_backward(hopper_gpu, torch.bfloat16, False, d, "full", "gqa")
+
+
 # Causal CTAs longest first in groups of heads (`sm90_bwd_ws.LPT_HEADS`, 4 since session 36) and in
 # the grid's order (0): the CTA's (key block, head, batch) from `lpt_place`, at d64, d128 and d256,
 # MHA/GQA/MQA (GQA's atomic dK, dV sums), heads not a multiple of the group, a window and softcap.

@@ -482,6 +482,7 @@ def compile_bwd(
     dq_writer: bool = False,
     dq_chains: int = 1,
     dq_writer_warps: int = 1,
+    multicast: bool = False,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
@@ -491,7 +492,8 @@ def compile_bwd(
     fragment order (`DQ_FRAGMENTS`); head_dim_v: v's, dO's, dV's (None: head_dim), past 128 the
     wide kernel's pairs (`sm90_bwd_wide.SHAPES`); dq_writer: deterministic turns and dQ's adds by
     a warp of their own (`DQ_WRITER_WARP`); dq_chains: deterministic dQ's chains (`DQ_CHAINS`);
-    dq_writer_warps: deterministic dQ's writer warps (`DQ_WRITER_WARPS`).
+    dq_writer_warps: deterministic dQ's writer warps (`DQ_WRITER_WARPS`); multicast: CTA pairs
+    share their Q and dO loads (`multicasts`).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
@@ -503,14 +505,14 @@ def compile_bwd(
         assert tile_m == TILE, "the wide kernel steps 64 queries"
         kernel = BwdWideSm90(
             dtype, head_dim, head_dim_v, causal, deterministic, window_left, window_right, softcap, varlen,
-            dq_unscaled, dq_writer, rotate, dq_chains, dq_writer_warps, dq_fragments,
+            dq_unscaled, dq_writer, rotate, dq_chains, dq_writer_warps, dq_fragments, multicast,
         )  # fmt: skip
     elif version == 2:
         from .sm90_bwd_ws import BwdWsSm90
 
         kernel = BwdWsSm90(
             dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen,
-            tile_m, rotate, dq_unscaled, dq_fragments, dq_writer, dq_chains, dq_writer_warps,
+            tile_m, rotate, dq_unscaled, dq_fragments, dq_writer, dq_chains, dq_writer_warps, multicast,
         )  # fmt: skip
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
@@ -519,6 +521,7 @@ def compile_bwd(
         assert not rotate, "version 1: no rotated deterministic walk"
         assert not (dq_fragments or dq_writer), "version 1: dQ by atomics"
         assert dq_chains == dq_writer_warps == 1, "version 1: no writer warp"
+        assert not multicast, "version 1: no CTA pairs"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic, dq_unscaled)
     return cute.compile(
         kernel,
@@ -853,6 +856,28 @@ def rotates(
     return -(-seqlen_k // keys) <= _sm_count(device)
 
 
+# Q and dO shared by CTA pairs (session 39; built, off: not measured yet): the v2 kernels launch
+# in clusters of two neighbouring key blocks of a head, which walk the same query blocks in step;
+# each CTA loads half of every Q and dO tile and multicasts it into both (`BwdWsSm90.set_pairs`).
+# Why: ncu of the d256 backward on an H100 (session 39, bf16 B4 N4096 H8, `gpu_pending.sh 34`):
+# our kernel moves 29.4 GB through L2 at 95.7% of L2's peak throughput and 4.9% of DRAM's, 4.01 ms;
+# cuDNN's 12.6 GB at 52%, 3.48 ms; FA4's 29.2 GB at 88%, 4.39 ms. L2, not HBM, bounds it, and about
+# 11 GB of ours are Q and dO reads (each 48-key CTA reads a head's whole Q and dO). Pairs halve
+# those. The kernel head dims where it is on; part of the compile key (`multicasts`). Only the plain
+# dense walk (no causal, window, deterministic mode, varlen or PLAIN_ROTATE).
+# `bwd_profile --multicast on` / `--ab multicast=on`.
+QDO_MULTICAST: frozenset = frozenset()
+
+
+def multicasts(
+    deterministic: bool, version: int, causal: bool, left: int, right: int, rotate: bool, head_dim: int
+) -> bool:
+    """Whether the dense v2 kernel runs in CTA pairs sharing Q and dO (`QDO_MULTICAST`): the
+    plain walk only (`BwdWsSm90.set_pairs`), at the kernel head dims listed."""
+    plain = version == 2 and not (deterministic or causal or rotate) and left < 0 and right < 0
+    return plain and head_dim in QDO_MULTICAST
+
+
 # The wide kernel's deterministic mode walks rotated too (`rotates` with its keys per CTA; session 28).
 # Predicted deterministic d256 at 67-77% of the plain backward (H100, v28) -> 80-90%. Measured (H100,
 # session 29, `bwd_profile --wide --deterministic`, bf16 B4 N4096, TFLOP/s off / on / off): d256 H8
@@ -1136,7 +1161,8 @@ def backward(
         sem = torch.zeros(batch, heads, chains * blocks, device=q.device, dtype=torch.int32)
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
     warps = writer_warps(bool(deterministic), writer)
-    key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer, chains, warps)
+    pairs = multicasts(bool(deterministic), version, bool(causal), left, right, rotate, d)
+    key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer, chains, warps, pairs)
     fn = _compiled.get(key) or _kernel(key)
     if seqlen_k > 0 and seqlen_q > 0:
         from . import grid_spans
@@ -1289,6 +1315,7 @@ def backward_varlen(
         writer,
         1,  # dq_chains: dense only
         writer_warps(bool(deterministic), writer),
+        False,  # multicast: dense only
     )
     fn = _compiled.get(key) or _kernel(key)
     if total_k > 0 and total_q > 0 and batch > 0 and max_seqlen_k > 0:

@@ -279,6 +279,7 @@ class BwdWsSm90(BwdSm90):
         dq_writer: bool = False,
         dq_chains: int = 1,
         dq_writer_warps: int = 1,
+        multicast: bool = False,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
@@ -301,7 +302,8 @@ class BwdWsSm90(BwdSm90):
         dq_chains (deterministic, dq_writer, dense): the turns at a query block split into this
         many interleaved chains, turn t adding into copy t % dq_chains of dQacc (`write_dq`).
         dq_writer_warps (deterministic, dq_writer): 1, or 2 writer warps taking the walk's even and
-        odd steps (`sm90_bwd.DQ_WRITER_WARPS`)."""
+        odd steps (`sm90_bwd.DQ_WRITER_WARPS`).
+        multicast: CTA pairs share their Q and dO loads (`set_pairs`; `sm90_bwd.QDO_MULTICAST`)."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -348,6 +350,21 @@ class BwdWsSm90(BwdSm90):
         self.descending = causal or window_right
         self.rotate = rotate
         self.dkv_tma = tile_m in DKV_TMA_TILES
+        self.set_pairs(multicast)
+
+    def set_pairs(self, multicast: bool):
+        """multicast: the CTAs launch in clusters of two neighbouring key blocks of one (head,
+        batch) (the grid's key blocks rounded up to even: a CTA past the keys loads zeros for K and
+        V, adds zeros into dQ and stores no row), which walk the same query blocks in the same
+        order, so each CTA loads half of every Q and dO tile and multicasts it into both (the L2
+        reads of Q and dO halve; LSE and D stay per CTA). Walks that differ between neighbours or
+        depend on turns are excluded: causal, windows, deterministic, varlen, rotate."""
+        walks_differ = self.causal or self.window_left or self.window_right or self.rotate
+        assert not multicast or not (walks_differ or self.deterministic or self.varlen), (
+            "multicast: the plain dense walk (no causal, window, deterministic, varlen or rotate)"
+        )
+        assert not (multicast and self.lpt_heads), "multicast: the grid's own order"
+        self.cluster_n = 2 if multicast else 1
 
     def set_dq_writer(self, dq_chains: int, dq_writer_warps: int):
         """Deterministic dQ's chains (`write_dq`; `sm90_bwd.DQ_CHAINS`): the writer warp's turns,
@@ -417,11 +434,13 @@ class BwdWsSm90(BwdSm90):
         tiled_mma_s, tiled_mma_kv, tiled_mma_dq = self._tiled_mmas()
         kv_layout, v_layout, q_layout, do_layout, ds_layout, dq_layout = self.smem_layouts()
         tma_op = cpasync.CopyBulkTensorTileG2SOp()
+        # Q and dO (`set_pairs`): each CTA of a pair loads half of the tile into both CTAs.
+        tma_op_qdo = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_n > 1) else tma_op
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            tma_op, mQ, cute.select(q_layout, mode=[0, 1]), (tile_m, d)
+            tma_op_qdo, mQ, cute.select(q_layout, mode=[0, 1]), (tile_m, d), num_multicast=self.cluster_n
         )
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
-            tma_op, mdO, cute.select(do_layout, mode=[0, 1]), (tile_m, dv)
+            tma_op_qdo, mdO, cute.select(do_layout, mode=[0, 1]), (tile_m, dv), num_multicast=self.cluster_n
         )
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_op, mK, kv_layout, (tile_n, d))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_op, mV, v_layout, (tile_n, dv))
@@ -483,6 +502,8 @@ class BwdWsSm90(BwdSm90):
         grid = (cute.ceil_div(cute.size(mK.shape[0]), tile_n), cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         if const_expr(self.varlen):
             grid = ((max_seqlen_k + tile_n - 1) // tile_n, cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
+        if const_expr(self.cluster_n > 1):  # whole pairs
+            grid = ((grid[0] + 1) // 2 * 2, grid[1], grid[2])
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_D, tma_D, tma_atom_dQ, tma_dQ, tma_atom_dQs, tma_atom_dK, mdK,
@@ -490,7 +511,10 @@ class BwdWsSm90(BwdSm90):
             qhead_per_kvhead, window_size_left, window_size_right, softcap, mCuSeqlensQ, mCuSeqlensK,
             kv_layout, v_layout, q_layout, do_layout, ds_layout, dq_layout, tiled_mma_s, tiled_mma_kv,
             tiled_mma_dq, SharedStorage,
-        ).launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)  # fmt: skip
+        ).launch(
+            grid=grid, block=[NUM_THREADS, 1, 1], cluster=[self.cluster_n, 1, 1], stream=stream,
+            min_blocks_per_mp=1,
+        )  # fmt: skip
 
     def smem_layouts(self):
         """The shared-memory layouts (K, V, Q's stages, dO's stages, dS^T's two buffers, dQ's
@@ -582,9 +606,12 @@ class BwdWsSm90(BwdSm90):
                 cpasync.prefetch_descriptor(tma_atom_dV)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_KV, 1)
-        # "full": one producer arrive plus the TMA bytes; "empty": one arrive per consumer warp.
+        # "full": one producer arrive plus the TMA bytes (with pairs: both halves of the tile, one
+        # from each CTA); "empty": one arrive per consumer warp of every CTA of the pair (lane r of
+        # a warp signals CTA r).
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_THREADS // 32)
+        consumer_warps = NUM_MMA_THREADS // 32 * self.cluster_n
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps)
         # A stage: the 16-bit tile and its rows' fp32 LSE log2 e (Q) or D (dO).
         pipes = [
             pipeline.PipelineTmaAsync.create(
@@ -593,7 +620,8 @@ class BwdWsSm90(BwdSm90):
                 producer_group=producer_group,
                 consumer_group=consumer_group,
                 tx_count=cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1])) + self.tile_m * 4,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+                cta_layout_vmnk=cute.make_layout((1, self.cluster_n, 1, 1)),
+                mcast_mode_mn=(0, 1),
                 defer_sync=True,
             )
             for mbar, stages, layout in (
@@ -601,8 +629,13 @@ class BwdWsSm90(BwdSm90):
                 (storage.mbar_dO, self.do_stages, do_layout),
             )
         ]
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(self.cluster_n > 1):  # the peer's barriers are initialised before any multicast
+            cluster_shape_mn = (self.cluster_n, 1)
+            pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_shape_mn)
+            pipeline.pipeline_init_wait(cluster_shape_mn=cluster_shape_mn)
+        else:
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
 
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
@@ -664,14 +697,19 @@ class BwdWsSm90(BwdSm90):
         gLSE = cute.local_tile(self.padded_rows(mLSE, head, batch, seqlen), (tile_m,), (None,))
         gD = cute.local_tile(self.padded_rows(mD, head, batch, seqlen), (tile_m,), (None,))
 
-        def partition(atom, smem_tile, gmem_tiles):
+        def partition(atom, smem_tile, gmem_tiles, rank=0, ctas=1):
             s_grouped, g_grouped = cute.group_modes(smem_tile, 0, 2), cute.group_modes(gmem_tiles, 0, 2)
-            return cpasync.tma_partition(atom, 0, cute.make_layout(1), s_grouped, g_grouped)
+            return cpasync.tma_partition(atom, rank, cute.make_layout(ctas), s_grouped, g_grouped)
 
         tKsK, tKgK = partition(tma_atom_K, sK, gK)
         tVsV, tVgV = partition(tma_atom_V, sV, gV)
-        tQsQ, tQgQ = partition(tma_atom_Q, sQ, gQ)
-        tOsdO, tOgdO = partition(tma_atom_dO, sdO, gdO)
+        # With pairs (`set_pairs`), this CTA's half of each Q and dO tile, into both CTAs.
+        rank = cute.arch.block_idx_in_cluster() if const_expr(self.cluster_n > 1) else 0
+        tQsQ, tQgQ = partition(tma_atom_Q, sQ, gQ, rank, self.cluster_n)
+        tOsdO, tOgdO = partition(tma_atom_dO, sdO, gdO, rank, self.cluster_n)
+        mcast = {}
+        if const_expr(self.cluster_n > 1):
+            mcast = {"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)}
 
         def partition_rows(atom, smem_rows, gmem_rows):
             s_grouped, g_grouped = cute.group_modes(smem_rows, 0, 1), cute.group_modes(gmem_rows, 0, 1)
@@ -692,7 +730,7 @@ class BwdWsSm90(BwdSm90):
             pipe_q.producer_acquire(q_state)
             cute.copy(
                 tma_atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index],
-                tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
+                tma_bar_ptr=pipe_q.producer_get_barrier(q_state), **mcast,
             )  # fmt: skip
             cute.copy(
                 tma_atom_LSE, tLgLSE[None, m_block], tLsLSE[None, q_state.index],
@@ -702,7 +740,7 @@ class BwdWsSm90(BwdSm90):
             pipe_do.producer_acquire(do_state)
             cute.copy(
                 tma_atom_dO, tOgdO[None, m_block], tOsdO[None, do_state.index],
-                tma_bar_ptr=pipe_do.producer_get_barrier(do_state),
+                tma_bar_ptr=pipe_do.producer_get_barrier(do_state), **mcast,
             )  # fmt: skip
             cute.copy(
                 tma_atom_D, tDgD[None, m_block], tDsD[None, do_state.index],
