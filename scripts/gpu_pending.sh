@@ -40,6 +40,9 @@
 #      `bwd_profile --ab multicast=off multicast=on` (bf16 B4 N4096, one process, rotating rounds)
 #      at d256 H8, d128 H16 and d64 H32, non-causal, and d256 at N 8192 (an odd count of key
 #      blocks: 171) (~5 min).
+#   37 `sm90_bwd.DQ_PAIR_SUM` (session 39, built, off): the 172 `-k qdo_multicast` GPU tests (pairs,
+#      and pairs summing dQ), then `bwd_profile --ab multicast=off pair-dq=on multicast=on` at d256
+#      H8, d128 H16 (N 4096) and d256 H4 N 8192 (~5 min).
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -112,6 +115,18 @@ if [ "$part" = 36 ]; then
         IFS=: read -r d h n <<< "$dhn"
         python scripts/bwd_profile.py --d "$d" --heads "$h" --seqlen "$n" --dtype bfloat16 --rounds 8 \
             --ab multicast=off multicast=on 2>&1 | grep " v2 \[" | tee -a "$OUT/ab36.txt"
+    done
+    exit 0
+fi
+
+if [ "$part" = 37 ]; then
+    HOPPER_FMHA_CACHE_DIR=/tmp/kc37 python scripts/gpu_tier.py tests/test_gpu_backward.py -k qdo_multicast \
+        --out /tmp/tier37 --archive "$OUT/tier37.tar.gz" --procs 15 --budget 240 --stall 90 > "$OUT/tier37.log" 2>&1
+    tail -1 "$OUT/tier37.log"; grep -h "^FAILED" /tmp/tier37/report*.txt | head -10
+    for dhn in 256:8:4096 128:16:4096 256:4:8192; do
+        IFS=: read -r d h n <<< "$dhn"
+        python scripts/bwd_profile.py --d "$d" --heads "$h" --seqlen "$n" --dtype bfloat16 --rounds 8 \
+            --ab multicast=off pair-dq=on multicast=on 2>&1 | grep " v2 \[" | tee -a "$OUT/ab37.txt"
     done
     exit 0
 fi
