@@ -292,6 +292,8 @@ def test_launch_matches_the_kernel_signature(kernels):
             False,
             1,
             1,
+            False,  # multicast (`QDO_MULTICAST`, off)
+            False,  # pair_dq (`DQ_PAIR_SUM`, off)
         )
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
