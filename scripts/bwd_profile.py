@@ -76,15 +76,8 @@ PLACES = (
         "--multicast",
         sm90_bwd,
         "QDO_MULTICAST",
-        {"off": frozenset(), "on": frozenset(sm90_bwd.HEAD_DIMS + (192, 256))},
+        {"off": frozenset(), "on": frozenset(sm90_bwd.HEAD_DIMS + (256,))},
         "CTA pairs sharing Q and dO loads (plain dense walk), at every kernel head dim or none",
-    ),
-    (
-        "--pair-dq",
-        sm90_bwd,
-        "DQ_PAIR_SUM",
-        {"off": frozenset(), "on": frozenset(sm90_bwd.HEAD_DIMS + (192, 256))},
-        "CTA pairs that also sum their dQ parts before adding them, at every kernel head dim or none",
     ),
 )
 

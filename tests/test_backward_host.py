@@ -293,7 +293,6 @@ def test_launch_matches_the_kernel_signature(kernels):
             1,
             1,
             False,  # multicast (`QDO_MULTICAST`, off)
-            False,  # pair_dq (`DQ_PAIR_SUM`, off)
         )
     ]
     assert launch["window"] == (-1, -1) and launch["softcap"] == 0.0
@@ -712,7 +711,8 @@ def test_dq_writer_plain_asks_for_the_writer(kernels, monkeypatch):
         monkeypatch.setattr(sm90_bwd, "DQ_WRITER_PLAIN_WIDE", on)
         sm90_bwd.backward(*wide, lse, 0.1, False)
         assert keys[-1][1] == 256 and keys[-1][11] == 64 and keys[-1][16] is on
-        assert keys[-1][3] is False and keys[-1][17:] == (1, 1)  # (chains, writer warps: deterministic)
+        # (chains, writer warps: deterministic; CTA pairs: `QDO_MULTICAST`, off)
+        assert keys[-1][3] is False and keys[-1][17:] == (1, 1, False)
 
 
 @pytest.mark.parametrize("plain", [(), (80,), True])
@@ -1636,22 +1636,6 @@ def test_qdo_multicast_takes_the_plain_dense_walk_only(monkeypatch):
             BwdWsSm90(bf16, 128, **{"causal": False, **kwargs}, multicast=True)
     with pytest.raises(AssertionError, match="multicast"):
         BwdWideSm90(bf16, 256, 256, False, window_left=True, multicast=True)
-    # `DQ_PAIR_SUM`: pairs too, where dQ is staged in fragment order for the writer warp.
-    monkeypatch.setattr(sm90_bwd, "QDO_MULTICAST", frozenset())
-    monkeypatch.setattr(sm90_bwd, "DQ_PAIR_SUM", frozenset({256}))
-    assert sm90_bwd.multicasts(False, 2, False, -1, -1, False, 256)
-    assert not sm90_bwd.multicasts(False, 2, False, -1, -1, False, 128)
-    assert sm90_bwd.pair_sums(True, 256, True, True)
-    assert not sm90_bwd.pair_sums(False, 256, True, True)
-    assert not sm90_bwd.pair_sums(True, 256, False, True) and not sm90_bwd.pair_sums(True, 256, True, False)
-    assert not sm90_bwd.pair_sums(True, 128, True, True)
-    wide = BwdWideSm90(bf16, 256, 256, False, dq_writer=True, dq_fragments=True, multicast=True, pair_dq=True)
-    assert wide.pair_dq and wide.dq_writer_threads == 128 + 32
-    assert BwdWsSm90(bf16, 128, False, tile_m=80, dq_writer=True).dq_writer_threads == 256 + 32
-    for kwargs in (dict(multicast=False), dict(dq_writer=False), dict(dq_fragments=False)):
-        chosen = {"dq_writer": True, "dq_fragments": True, "multicast": True, **kwargs}
-        with pytest.raises(AssertionError, match="pair_dq"):
-            BwdWideSm90(bf16, 256, 256, False, **chosen, pair_dq=True)
 
 
 def test_disk_cache_names_follow_the_build(kernels, monkeypatch, tmp_path):

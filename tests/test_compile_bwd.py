@@ -493,24 +493,6 @@ def test_qdo_multicast_compiles(d, tile):
     assert stack_bytes(cubins[1]) <= max(stack_bytes(cubins[0]), 16)
 
 
-# `sm90_bwd.DQ_PAIR_SUM` (session 39, off): the pair kernels that sum their dQ parts send one part by
-# 16-byte st.async stores (STAS.128: a thread's part / 4 of them), reduce-add one part where the
-# pairs alone add two (both branches of the rank: two instructions either way), and use no stack.
-@pytest.mark.parametrize("d, tile", [(128, 80), (256, 64)], ids=["d128-tile80", "wide-d256"])
-def test_dq_pair_sum_compiles(d, tile):
-    import re
-
-    kwargs = dict(mha=True, tile_m=tile, dq_writer=True, dq_fragments=True, dq_unscaled=True, head_dim_v=d)
-    pairs = bwd_cubin("bfloat16", d, False, False, multicast=True, **kwargs)
-    summed = bwd_cubin("bfloat16", d, False, False, multicast=True, pair_dq=True, **kwargs)
-    text = sass_or_skip(summed)
-    per_thread = tile * d // 2 // 128  # a warpgroup's part of a block's dQ, per thread
-    assert len(re.findall(r"STAS\.128", text)) == per_thread // 4
-    assert len(re.findall(r"STAS", sass_or_skip(pairs))) == 0
-    assert len(re.findall(r"UBLKRED\.G\.S\.ADD", text)) == 2
-    assert stack_bytes(summed) == 0
-
-
 # `sm90_bwd_ws.LPT_HEADS` (session 35): the causal non-deterministic kernels (d128 tile 64, d64
 # tile 128, the wide d256) take their CTA's place from `lpt_place`: a different kernel, the main
 # loop's registers and stack as before; deterministic and varlen kernels ignore it.

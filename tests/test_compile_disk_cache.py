@@ -102,7 +102,7 @@ def test_backward_kernel_from_disk_takes_the_launch_argument_count(case, tmp_pat
     monkeypatch.setattr(cache, "DISK_CACHE_ALL", True)
     monkeypatch.setattr(sm90_bwd, "_compiled", {})
     key = bwd_key(BWD_CASES[case])
-    assert len(key) == 19  # (compile_bwd's arguments but options)
+    assert len(key) == 20  # (compile_bwd's arguments but options)
     sm90_bwd._kernel(key)
     names = [p.name for p in cache.cache_dir().glob("bwd_*.o")]
     assert len(names) == 1

@@ -990,14 +990,11 @@ def test_plain_rotated_walk_varlen(hopper_gpu, plain_rotate, d):
 # keys at d128 is one block, a pair of which one CTA works), even, and fewer and more than the
 # query blocks; softcap and a sink on the same walk; and the kernels the pairs must not change
 # (causal, window, deterministic, varlen) still right with the switch on.
-# The same with the pairs' dQ summed in shared memory (`sm90_bwd.DQ_PAIR_SUM`, session 39, off):
-# at d128 (tile 80), d256 and 192/128 (d64's tile 128 has no writer warp: pairs only).
-@pytest.fixture(params=["multicast", "pair-sum"])
-def qdo_multicast(request, monkeypatch):
+@pytest.fixture
+def qdo_multicast(monkeypatch):
     from hopper_fmha.kernels import sm90_bwd
 
-    dims = frozenset({64, 128, 192, 256})
-    monkeypatch.setattr(sm90_bwd, "QDO_MULTICAST" if request.param == "multicast" else "DQ_PAIR_SUM", dims)
+    monkeypatch.setattr(sm90_bwd, "QDO_MULTICAST", frozenset({64, 128, 192, 256}))
 
 
 @pytest.mark.parametrize("heads", ["mha", "gqa"])

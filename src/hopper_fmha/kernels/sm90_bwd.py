@@ -483,7 +483,6 @@ def compile_bwd(
     dq_chains: int = 1,
     dq_writer_warps: int = 1,
     multicast: bool = False,
-    pair_dq: bool = False,
     options: str = "",
 ):
     """Compile the kernel for sm_90a with TVM-FFI (torch tensors pass straight); no GPU needed.
@@ -494,7 +493,7 @@ def compile_bwd(
     wide kernel's pairs (`sm90_bwd_wide.SHAPES`); dq_writer: deterministic turns and dQ's adds by
     a warp of their own (`DQ_WRITER_WARP`); dq_chains: deterministic dQ's chains (`DQ_CHAINS`);
     dq_writer_warps: deterministic dQ's writer warps (`DQ_WRITER_WARPS`); multicast: CTA pairs
-    share their Q and dO loads (`multicasts`); pair_dq: and sum their dQ parts (`pair_sums`).
+    share their Q and dO loads (`multicasts`).
     `options` adds to the compiler's, e.g. "--keep-cubin --dump-dir=DIR"."""
     dtype = _DTYPES[dtype_name]
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
@@ -507,7 +506,6 @@ def compile_bwd(
         kernel = BwdWideSm90(
             dtype, head_dim, head_dim_v, causal, deterministic, window_left, window_right, softcap, varlen,
             dq_unscaled, dq_writer, rotate, dq_chains, dq_writer_warps, dq_fragments, multicast,
-            pair_dq,
         )  # fmt: skip
     elif version == 2:
         from .sm90_bwd_ws import BwdWsSm90
@@ -515,7 +513,6 @@ def compile_bwd(
         kernel = BwdWsSm90(
             dtype, head_dim, causal, deterministic, dkv_atomic, window_left, window_right, softcap, varlen,
             tile_m, rotate, dq_unscaled, dq_fragments, dq_writer, dq_chains, dq_writer_warps, multicast,
-            pair_dq,
         )  # fmt: skip
     else:
         assert not dkv_atomic, "version 1 writes dK, dV per q head"
@@ -524,7 +521,7 @@ def compile_bwd(
         assert not rotate, "version 1: no rotated deterministic walk"
         assert not (dq_fragments or dq_writer), "version 1: dQ by atomics"
         assert dq_chains == dq_writer_warps == 1, "version 1: no writer warp"
-        assert not (multicast or pair_dq), "version 1: no CTA pairs"
+        assert not multicast, "version 1: no CTA pairs"
         kernel = BwdSm90(dtype, head_dim, causal, deterministic, dq_unscaled)
     return cute.compile(
         kernel,
@@ -878,25 +875,7 @@ def multicasts(
     """Whether the dense v2 kernel runs in CTA pairs sharing Q and dO (`QDO_MULTICAST`): the
     plain walk only (`BwdWsSm90.set_pairs`), at the kernel head dims listed."""
     plain = version == 2 and not (deterministic or causal or rotate) and left < 0 and right < 0
-    return plain and head_dim in QDO_MULTICAST | DQ_PAIR_SUM
-
-
-# The CTA pairs' dQ summed in shared memory before it is added (session 39; built, off: not measured
-# yet). Why: the same ncu (L2 sectors by operation, `bench/results/2026-12-06-h100-v39/ncu_l2.txt`):
-# the d256 kernel's L2 traffic is 366 M sectors of reads and 541 M of reduce-adds; Q and dO by
-# multicast halved the reads, took L2's throughput from 95.7% to 90.3% of peak and the kernel from
-# 4.02 to 4.14 ms, while the kernel without any dQ adds (`bwd_profile --probes nodq`) runs 3.1 ms.
-# In a pair (`QDO_MULTICAST`'s), CTA r's warpgroup 1 - r sends its dQ part to the peer, whose
-# warpgroup of the same index adds it to its own and stages the sum; each CTA then reduce-adds one
-# part, half of a block's dQ (`BwdWsSm90.set_pairs`). Pairs at these kernel head dims, where the
-# kernel stages dQ in fragment order for the writer warp (`DQ_FRAGMENTS`, `DQ_WRITER_PLAIN`, the
-# wide kernel's). Part of the compile key (`pair_sums`). `bwd_profile --pair-dq on`.
-DQ_PAIR_SUM: frozenset = frozenset()
-
-
-def pair_sums(pairs: bool, head_dim: int, fragments: bool, writer: bool) -> bool:
-    """Whether a pair kernel (`multicasts`) sums its dQ parts in shared memory (`DQ_PAIR_SUM`)."""
-    return pairs and head_dim in DQ_PAIR_SUM and fragments and writer
+    return plain and head_dim in QDO_MULTICAST
 
 
 # The wide kernel's deterministic mode walks rotated too (`rotates` with its keys per CTA; session 28).
@@ -1183,8 +1162,7 @@ def backward(
     key = (dtype_name, d, bool(causal), bool(deterministic), version, mha, atomic, *features, False, tile_m)
     warps = writer_warps(bool(deterministic), writer)
     pairs = multicasts(bool(deterministic), version, bool(causal), left, right, rotate, d)
-    pair_dq = pair_sums(pairs, d, dq_fragments, writer)
-    key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer, chains, warps, pairs, pair_dq)
+    key = key + (rotate, dq_unscaled, dq_fragments, d_v, writer, chains, warps, pairs)
     fn = _compiled.get(key) or _kernel(key)
     if seqlen_k > 0 and seqlen_q > 0:
         from . import grid_spans
@@ -1338,7 +1316,6 @@ def backward_varlen(
         1,  # dq_chains: dense only
         writer_warps(bool(deterministic), writer),
         False,  # multicast: dense only
-        False,  # pair_dq: with multicast
     )
     fn = _compiled.get(key) or _kernel(key)
     if total_k > 0 and total_q > 0 and batch > 0 and max_seqlen_k > 0:

@@ -112,7 +112,6 @@ class BwdWideSm90(BwdWsSm90):
         dq_writer_warps: int = 1,
         dq_fragments: bool = False,
         multicast: bool = False,
-        pair_dq: bool = False,
     ):
         assert (head_dim, head_dim_v) in SHAPES, f"the wide backward kernel takes {list(SHAPES)}"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -155,8 +154,7 @@ class BwdWideSm90(BwdWsSm90):
         # `DQ_WRITER_PLAIN_WIDE`).
         self.dq_writer = dq_writer
         self.set_dq_writer(dq_chains, dq_writer_warps)
-        # Q and dO shared by CTA pairs, and their dQ summed (`sm90_bwd.QDO_MULTICAST`, `DQ_PAIR_SUM`).
-        self.set_pairs(multicast, pair_dq)
+        self.set_pairs(multicast)  # (Q and dO shared by CTA pairs: `sm90_bwd.QDO_MULTICAST`)
 
     # ---------------------------------------------------------------- host side
     def _tiled_mmas(self):

@@ -72,7 +72,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import nvvm, vector
+from cutlass._mlir.dialects import vector
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 from .mask import Mask
@@ -280,7 +280,6 @@ class BwdWsSm90(BwdSm90):
         dq_chains: int = 1,
         dq_writer_warps: int = 1,
         multicast: bool = False,
-        pair_dq: bool = False,
     ):
         """dkv_atomic: mdK, mdV are (b, s_k, h_kv, d) fp32, zeroed, and every q head of a GQA
         group adds its dK, dV into its kv head's by red.global.add.v2.f32 (the order of a
@@ -304,8 +303,7 @@ class BwdWsSm90(BwdSm90):
         many interleaved chains, turn t adding into copy t % dq_chains of dQacc (`write_dq`).
         dq_writer_warps (deterministic, dq_writer): 1, or 2 writer warps taking the walk's even and
         odd steps (`sm90_bwd.DQ_WRITER_WARPS`).
-        multicast: CTA pairs share their Q and dO loads (`set_pairs`; `sm90_bwd.QDO_MULTICAST`);
-        pair_dq: and sum their dQ parts before adding them (`set_pairs`; `sm90_bwd.DQ_PAIR_SUM`)."""
+        multicast: CTA pairs share their Q and dO loads (`set_pairs`; `sm90_bwd.QDO_MULTICAST`)."""
         assert head_dim in (64, 128), "the warp-specialized backward takes head_dim 64 or 128"
         assert not (dkv_atomic and deterministic), "atomic dK/dV sums have no fixed order"
         assert not (causal and window_right), "causal is the right limit 0"
@@ -352,9 +350,9 @@ class BwdWsSm90(BwdSm90):
         self.descending = causal or window_right
         self.rotate = rotate
         self.dkv_tma = tile_m in DKV_TMA_TILES
-        self.set_pairs(multicast, pair_dq)
+        self.set_pairs(multicast)
 
-    def set_pairs(self, multicast: bool, pair_dq: bool = False):
+    def set_pairs(self, multicast: bool):
         """multicast: the CTAs launch in clusters of two neighbouring key blocks of one (head,
         batch) (the grid's key blocks rounded up to even: a CTA past the keys loads zeros for K and
         V, adds zeros into dQ and stores no row), which walk the same query blocks in the same
@@ -367,25 +365,6 @@ class BwdWsSm90(BwdSm90):
         )
         assert not (multicast and self.lpt_heads), "multicast: the grid's own order"
         self.cluster_n = 2 if multicast else 1
-        # pair_dq: the pair's two dQ parts of a column half (or, d64 tile 128, row half) are summed
-        # in shared memory before one reduce-add, so each CTA adds half of a query block's dQ: CTA
-        # r adds part r. Its warpgroup r (the owner) stages its part in buffer r as usual; its
-        # warpgroup 1 - r (the sender) stores its part into the peer's buffer r, the peer's inbox
-        # (`st.async`, counted on the inbox's barrier); the writer warp adds its inbox (buffer
-        # 1 - r) into buffer r, frees the inbox and reduce-adds buffer r alone (`write_dq`). The L2
-        # reduce-adds halve (`sm90_bwd.DQ_PAIR_SUM`). The sum is the writer's, off the consumers'
-        # path: summed by the owner warpgroup (waiting for the peer's part), d256 and d128 lost 20%.
-        staged = self.dq_fragments and self.dq_writer and not self.deterministic
-        assert not pair_dq or (multicast and staged), (
-            "pair_dq: CTA pairs, dQ in fragment order by the writer warp, not deterministic"
-        )
-        self.pair_dq = pair_dq
-
-    @property
-    def dq_writer_threads(self) -> int:
-        """The threads of the named barriers between dQ's staging and the writer warp: both consumer
-        warpgroups and the writer, or (`pair_dq`) the owner warpgroup and the writer."""
-        return WARPGROUP + 32 if self.pair_dq else DQ_WRITER_THREADS
 
     def set_dq_writer(self, dq_chains: int, dq_writer_warps: int):
         """Deterministic dQ's chains (`write_dq`; `sm90_bwd.DQ_CHAINS`): the writer warp's turns,
@@ -500,8 +479,6 @@ class BwdWsSm90(BwdSm90):
             "mbar_KV": cute.struct.MemRange[cutlass.Int64, 1],
             "mbar_Q": cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages],  # full + empty per stage
             "mbar_dO": cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages],
-            # `pair_dq`: the dQ inbox's full and empty barriers (one unused word otherwise).
-            "mbar_pair": cute.struct.MemRange[cutlass.Int64, 2 if self.pair_dq else 1],
             "sK": buffer(self.dtype, cute.cosize(kv_layout)),
             "sV": buffer(self.dtype, cute.cosize(v_layout)),
             "sQ": buffer(self.dtype, cute.cosize(q_layout)),
@@ -629,11 +606,6 @@ class BwdWsSm90(BwdSm90):
                 cpasync.prefetch_descriptor(tma_atom_dV)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_KV, 1)
-                if const_expr(self.pair_dq):
-                    # Full: the writer's arm (one arrive and the part's bytes) and the peer's
-                    # st.async bytes; empty: one arrive per lane of the peer's writer warp.
-                    cute.arch.mbarrier_init(storage.mbar_pair.data_ptr(), 1)
-                    cute.arch.mbarrier_init(storage.mbar_pair.data_ptr() + 1, 32)
         # "full": one producer arrive plus the TMA bytes (with pairs: both halves of the tile, one
         # from each CTA); "empty": one arrive per consumer warp of every CTA of the pair (lane r of
         # a warp signals CTA r).
@@ -680,8 +652,6 @@ class BwdWsSm90(BwdSm90):
             sdQ = storage.sdQ.get_tensor(self.dq_fragment_layout())
         else:
             sdQ = storage.sdQ.get_tensor(dq_layout.outer, swizzle=dq_layout.inner)
-        if const_expr(self.pair_dq):  # (the staging and the writer warp take the inbox's barriers)
-            sdQ = (sdQ, storage.mbar_pair.data_ptr())
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(REGISTERS[0])
@@ -706,9 +676,6 @@ class BwdWsSm90(BwdSm90):
                 tiled_mma_dq, tma_atom_dQ, mdQacc, tma_atom_dK, mdK, tma_atom_dV, mdV, mSem, softmax_scale,
                 softcap, mask, seqlen, n_block, head, head // qhead_per_kvhead, batch, m_min, m_max, walk,
             )  # fmt: skip
-        if const_expr(self.pair_dq):  # neither CTA of a pair leaves while the other may signal it
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
 
     # ---------------------------------------------------------------- producer
     @cute.jit
@@ -1183,9 +1150,6 @@ class BwdWsSm90(BwdSm90):
         atoms: dQ's TMA reduce-add and (`dq_store_first`) store atoms; a block's first turn (of its
         chain copy) stores with `dq_store_first`."""
         tma_atom_dQ, tma_atom_dQs = atoms
-        mbar_pair = None
-        if const_expr(self.pair_dq):
-            sdQ, mbar_pair = sdQ
         lane = cute.arch.lane_idx()
         full, empty, step = BARRIER_DQ_FULL, BARRIER_DQ_EMPTY, 1
         if const_expr(self.writer_warps == 2):
@@ -1211,7 +1175,7 @@ class BwdWsSm90(BwdSm90):
                 if const_expr(self.dq_store_first):
                     first = turn == 0
                 sem = mSem.iterator + cute.crd2idx((batch, head, acc_block), mSem.layout)
-            cute.arch.barrier(barrier_id=full, number_of_threads=self.dq_writer_threads)
+            cute.arch.barrier(barrier_id=full, number_of_threads=DQ_WRITER_THREADS)
             if const_expr(self.deterministic):
                 if lane == 0:
                     seen = cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu")
@@ -1221,13 +1185,7 @@ class BwdWsSm90(BwdSm90):
                 # The turn was acquired by a generic-proxy load; the reduce-adds are async-proxy
                 # writes.
                 cute.arch.fence_proxy("async.global")
-            if const_expr(self.pair_dq):  # the pair's sum of part `rank` (`set_pairs`)
-                self.add_inbox(sdQ, mbar_pair, (i - m_min) % 2)
-                if cute.arch.block_idx_in_cluster() == 0:
-                    self.write_dq_part(sdQ, tma_atom_dQ, mdQacc, acc_block, head, batch, seqlen, 0, False)
-                else:
-                    self.write_dq_part(sdQ, tma_atom_dQ, mdQacc, acc_block, head, batch, seqlen, 1, False)
-            for wg in cutlass.range_constexpr(0 if self.pair_dq else 2):
+            for wg in cutlass.range_constexpr(2):
                 where = (mdQacc, acc_block, head, batch, seqlen, wg)
                 if const_expr(self.dq_store_first):
                     if first:
@@ -1240,7 +1198,7 @@ class BwdWsSm90(BwdSm90):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
             if i + 1 < m_max:
-                cute.arch.barrier_arrive(barrier_id=empty, number_of_threads=self.dq_writer_threads)
+                cute.arch.barrier_arrive(barrier_id=empty, number_of_threads=DQ_WRITER_THREADS)
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 cute.arch.fence_proxy("async.global")  # the adds' writes before the turn's release
@@ -1248,36 +1206,6 @@ class BwdWsSm90(BwdSm90):
                 if lane == 0:
                     cute.arch.fence_acq_rel_gpu()
                     cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
-
-    @cute.jit
-    def add_inbox(self, sdQ, mbar_pair, parity):
-        """`pair_dq`'s writer warp, once the owner warpgroup has staged its part (buffer `rank`):
-        arm the inbox (buffer 1 - rank) for the peer's part, wait for it, add it into buffer rank
-        (16-byte chunks, a warp's 512 contiguous bytes at a time), fence the sum for the bulk
-        reduce-add and free the inbox (an arrive per lane on the peer's empty barrier)."""
-        inbox_full, inbox_empty = mbar_pair, mbar_pair + 1
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        lane = cute.arch.lane_idx()
-        part = self.dq_tile[0] * self.dq_tile[1]  # floats
-        if lane == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(inbox_full, part * 4)
-        cute.arch.mbarrier_wait(inbox_full, parity)
-        # (float, lane, chunk, buffer): 16-byte chunks, a warp's 512 contiguous bytes per step
-        chunks = cute.make_layout((4, 32, part // 128, 2), stride=(1, 4, 128, part))
-        flat = cute.make_tensor(sdQ.iterator, chunks)
-        for t in cutlass.range(part // 128, unroll=4):
-            mine = cute.make_rmem_tensor((4,), Float32)
-            got = cute.make_rmem_tensor((4,), Float32)
-            cute.autovec_copy(flat[None, lane, t, rank], mine)
-            cute.autovec_copy(flat[None, lane, t, 1 - rank], got)
-            for c in cutlass.range_constexpr(4):
-                mine[c] = mine[c] + got[c]
-            cute.autovec_copy(mine, flat[None, lane, t, rank])
-        cute.arch.fence_view_async_shared()  # the sum before the bulk reduce-add reads it
-        cute.arch.sync_warp()
-        # The inbox is read: the peer's sender may store its next part (cluster scope: these reads
-        # before the peer's writes).
-        cute.arch.mbarrier_arrive(inbox_empty, 1 - rank, scope=nvvm.MemScopeKind.CLUSTER)
 
     @cute.jit
     def add_dq_at_turn(
@@ -1353,7 +1281,7 @@ class BwdWsSm90(BwdSm90):
         `writer_warps` 2, the warp of the other parity than this step's, `odd`)."""
         if const_expr(self.dq_writer):
             if again:
-                n = self.dq_writer_threads
+                n = DQ_WRITER_THREADS
                 if const_expr(self.writer_warps == 2):
                     if odd:  # (the previous step's: even)
                         cute.arch.barrier(barrier_id=BARRIER_DQ_EMPTY, number_of_threads=n)
@@ -1372,7 +1300,7 @@ class BwdWsSm90(BwdSm90):
         syncs before one warp issues the add, or, with `dq_writer`, it tells the writer warp and
         goes on."""
         if const_expr(self.dq_writer):
-            n = self.dq_writer_threads
+            n = DQ_WRITER_THREADS
             if const_expr(self.writer_warps == 2):
                 if odd:
                     cute.arch.barrier_arrive(barrier_id=BARRIER_DQ_FULL_ODD, number_of_threads=n)
@@ -1386,42 +1314,6 @@ class BwdWsSm90(BwdSm90):
     @cute.jit
     def stage_dq_fragments(self, acc_dQ, sdQ, scale, wg, wtid, again, odd=False):
         """`stage_dq` in fragment order (`dq_fragment_layout`): 16-byte stores, no swizzle."""
-        if const_expr(self.pair_dq):
-            self.stage_dq_pair(acc_dQ, sdQ, scale, wg, wtid, again, odd)
-        else:
-            self.stage_dq_own(acc_dQ, sdQ, scale, wg, wtid, again, odd)
-
-    @cute.jit
-    def stage_dq_pair(self, acc_dQ, sdQ_mbar, scale, wg, wtid, again, odd):
-        """`pair_dq` (`set_pairs`): in CTA r, warpgroup r (the owner) stages its part in buffer r as
-        without pairs (`stage_dq_own`, for the writer warp, which adds the peer's part to it:
-        `add_inbox`); warpgroup 1 - r (the sender), once the peer has freed its inbox (from the
-        walk's second block on), stores its part into the peer's buffer r by st.async, counted on
-        the peer's full barrier, and goes on. Both CTAs walk the same blocks in the same order; a
-        thread's fragments sit at the same offsets in both."""
-        sdQ, mbar = sdQ_mbar
-        inbox_full, inbox_empty = mbar, mbar + 1
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        if wg == rank:
-            self.stage_dq_own(acc_dQ, sdQ, scale, wg, wtid, again, odd)
-        else:
-            if again:  # (the inbox's previous phase: the previous step's parity)
-                parity = Int32(1)
-                if odd:
-                    parity = Int32(0)
-                cute.arch.mbarrier_wait(inbox_empty, parity)
-            for k in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
-                words = []
-                for c in cutlass.range_constexpr(4):
-                    v = acc_dQ[4 * k + c]
-                    words.append((v if const_expr(self.dq_unscaled) else v * scale).bitcast(Int32))
-                offset = sdQ[None, wtid, k, rank].iterator.toint()
-                where = cute.make_ptr(Float32, offset, cute.AddressSpace.smem, assumed_align=16)
-                cute.arch.store_async_dsmem(where, tuple(words), inbox_full, 1 - rank)
-
-    @cute.jit
-    def stage_dq_own(self, acc_dQ, sdQ, scale, wg, wtid, again, odd=False):
-        """Each warpgroup's part into its own buffer (`stage_dq_fragments` without `pair_dq`)."""
         self.dq_buffer_free(wg, wtid, again, odd)
         for k in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
             vals = cute.make_rmem_tensor((4,), Float32)
