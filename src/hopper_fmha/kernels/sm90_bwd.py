@@ -815,12 +815,12 @@ D64_TILE_M = 128
 D128_TILE_M = 80
 
 
-# The rotated walk without deterministic mode too (session 38; built, off: not measured yet). Why:
+# The rotated walk without deterministic mode too (session 38; built, measured, off). Why:
 # without it every CTA of a head starts at query block 0 and walks up, so a head's CTAs (86 at
 # d256, 48 keys each, N 4096) reduce-add their dQ into the same 64 KB block at about the same time,
 # and read the same Q and dO blocks. Rotated, CTA n starts at block n * (C // num_n) (`walk`), the
-# adds spread over the head's blocks. A question for the GPU: the d256 backward runs at 371-374
-# TFLOP/s on the H200 but 300-326 on the H100 (cuDNN 346-386 on both; NOTES "Next", backward 7).
+# adds spread over the head's blocks. Measured (H100, session 39, `bwd_profile --ab`, bf16 B4 N4096,
+# TFLOP/s off / on): d256 325.6 / 325.9, d128 543 / 538, d64 478 / 469: no hot block to spread.
 # Any head dim, no causal or window (the walk covers [m_min, m_max) in any order; no turns). Part of
 # the compile key (`rotate`). `bwd_profile --plain-rotate on` / `--ab plain-rotate=on`.
 PLAIN_ROTATE = False
@@ -856,14 +856,16 @@ def rotates(
     return -(-seqlen_k // keys) <= _sm_count(device)
 
 
-# Q and dO shared by CTA pairs (session 39; built, off: not measured yet): the v2 kernels launch
-# in clusters of two neighbouring key blocks of a head, which walk the same query blocks in step;
-# each CTA loads half of every Q and dO tile and multicasts it into both (`BwdWsSm90.set_pairs`).
-# Why: ncu of the d256 backward on an H100 (session 39, bf16 B4 N4096 H8, `gpu_pending.sh 34`):
-# our kernel moves 29.4 GB through L2 at 95.7% of L2's peak throughput and 4.9% of DRAM's, 4.01 ms;
-# cuDNN's 12.6 GB at 52%, 3.48 ms; FA4's 29.2 GB at 88%, 4.39 ms. L2, not HBM, bounds it, and about
-# 11 GB of ours are Q and dO reads (each 48-key CTA reads a head's whole Q and dO). Pairs halve
-# those. The kernel head dims where it is on; part of the compile key (`multicasts`). Only the plain
+# Q and dO shared by CTA pairs (session 39; built, measured, off): the v2 kernels launch in
+# clusters of two neighbouring key blocks of a head, which walk the same query blocks in step; each
+# CTA loads half of every Q and dO tile and multicasts it into both (`BwdWsSm90.set_pairs`). Why:
+# ncu of the d256 backward on an H100 (bf16 B4 N4096 H8): our kernel moves 29.4 GB through L2 at
+# 95.7% of L2's peak throughput and 4.9% of DRAM's, 4.01 ms (cuDNN's 12.6 GB at 52%, 3.48 ms), 11.7
+# GB of it reads of Q and dO (each 48-key CTA reads a head's whole Q and dO). Pairs halved those
+# reads and took L2 to 90.3%, but lost (`bwd_profile --ab`, H100, TFLOP/s off / on): d256 325.9 /
+# 318.0, N 8192 345 / 332, d128 545 / 532, d64 476 / 476: the reads were not what bound it (the dQ
+# reduce-adds are: NOTES v39), and the pair's lockstep costs. Kept as the base of pair designs.
+# The kernel head dims where it is on; part of the compile key (`multicasts`). Only the plain
 # dense walk (no causal, window, deterministic mode, varlen or PLAIN_ROTATE).
 # `bwd_profile --multicast on` / `--ab multicast=on`.
 QDO_MULTICAST: frozenset = frozenset()
