@@ -28,7 +28,7 @@ import torch
 
 from hopper_fmha import flash_attn_func, flash_attn_varlen_func
 from hopper_fmha.cli import _time_ms
-from hopper_fmha.kernels import sm90_bwd, sm90_bwd_ws
+from hopper_fmha.kernels import sm90_bwd, sm90_bwd_wide, sm90_bwd_ws
 
 
 @cute.jit
@@ -79,6 +79,17 @@ PLACES = (
         {"off": frozenset(), "on": frozenset(sm90_bwd.HEAD_DIMS + (256,))},
         "CTA pairs sharing Q and dO loads (plain dense walk), at every kernel head dim or none",
     ),
+    (
+        "--wide-d256",
+        sm90_bwd_wide,
+        "SHAPES",
+        {
+            "48": sm90_bwd_wide.SHAPES,
+            "64": sm90_bwd_wide.SHAPES_D256_64,
+            "64kvq": sm90_bwd_wide.SHAPES_D256_64_KVQ,
+        },
+        "the wide d256 kernel's keys a CTA (64: one Q stage, dK^T's GEMM first)",
+    ),
 )
 
 
@@ -117,7 +128,8 @@ def interleaved_ab(settings: list, call, time_fn, rounds: int) -> dict:
     """settings: [(label, [(module, name, value)])]. Each setting's kernels are built (`call()`)
     into a `sm90_bwd._compiled` of their own, with its switches set and the others as they were;
     then `rounds` rounds time each setting once (`time_fn(call)`, ms), the order rotating by one
-    setting per round. Returns {label: [ms per round]}; the switches and `_compiled` are restored."""
+    setting per round. Each setting's gradients are compared with the first's (printed). Returns
+    {label: [ms per round]}; the switches and `_compiled` are restored."""
     saved = {(module, name): getattr(module, name) for _, pairs in settings for module, name, _ in pairs}
     compiled, kernels = sm90_bwd._compiled, {}
 
@@ -130,9 +142,19 @@ def interleaved_ab(settings: list, call, time_fn, rounds: int) -> dict:
 
     times = {label: [] for label, _ in settings}
     try:
+        first = None
         for label, pairs in settings:
             apply(label, pairs)
-            call()
+            grads = [g.float() for g in call() if isinstance(g, torch.Tensor)]
+            if first is None:
+                first = grads
+            else:  # the same gradients up to the order of dQ's fp32 adds
+                diffs = [
+                    (g - f).abs().max().item() / f.abs().max().item()
+                    for g, f in zip(grads, first, strict=True)
+                ]
+                text = " ".join(f"{x:.1e}" for x in diffs)
+                print(f"[{label}] gradients' max |diff| / max |the first setting's|: {text}")
         for r in range(rounds):
             shift = r % len(settings)
             for label, pairs in settings[shift:] + settings[:shift]:

@@ -59,16 +59,26 @@ from .sm90_common import LOG2_E, acc_mn_layout, convert, gemm, smem_layout
 
 @dataclass(frozen=True)
 class Shape:
-    """A (head_dim, head_dim_v) kernel's tiling: keys per CTA, dO stages, and how the consumer
-    warpgroups split dK^T and dV^T: "d" (64-row blocks of d alternating) or "keys" (half each)."""
+    """A (head_dim, head_dim_v) kernel's tiling: keys per CTA, dO stages, how the consumer
+    warpgroups split dK^T and dV^T: "d" (64-row blocks of d alternating) or "keys" (half each), Q
+    stages, and the order of a block's last three GEMMs: dV^T, dQ, dK^T ("vqk": dO's stage goes
+    back first, Q's at the block's end), dK^T, dQ, dV^T ("kqv": Q's first, for one Q stage), or
+    dK^T, dV^T, dQ ("kvq": both back before dQ is staged, which then waits for its GEMM)."""
 
     tile_n: int
     do_stages: int
     dkv_split: str
+    q_stages: int = 2
+    order: str = "vqk"
 
 
 # FA4's sm90 configurations at these head dims (flash_attn/cute/interface.py, 4.0.0b36).
 SHAPES = {(256, 256): Shape(48, 1, "d"), (192, 128): Shape(96, 2, "keys")}
+# d256 with 64 keys a CTA (a quarter fewer dQ reduce-adds, which bound it on the H100: v39's ncu):
+# with 64 KB of dQ staging only one Q stage fits (208 KB), so the block's GEMMs give Q back first.
+# Not yet measured (session 40: `bwd_profile --wide --ab wide-d256=48 wide-d256=64`).
+SHAPES_D256_64 = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1, order="kqv")}
+SHAPES_D256_64_KVQ = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1, order="kvq")}
 
 
 # The 16-bit K-major swizzle atoms by their width in columns.
@@ -91,7 +101,6 @@ class BwdWideSm90(BwdWsSm90):
     takes `sm90_bwd.BwdSm90.__call__`'s arguments (q, k, dQacc, dK of head_dim; v, dO, dV of
     head_dim_v)."""
 
-    q_stages = 2
     p_in_smem = True
 
     def __init__(
@@ -119,6 +128,9 @@ class BwdWideSm90(BwdWsSm90):
         self.tile_n = shape.tile_n
         self.do_stages = shape.do_stages
         self.dkv_by_keys = shape.dkv_split == "keys"
+        self.q_stages = shape.q_stages
+        assert shape.order in ("vqk", "kqv", "kvq"), shape.order
+        self.order = shape.order
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
@@ -283,36 +295,45 @@ class BwdWideSm90(BwdWsSm90):
             cute.arch.barrier(barrier_id=BARRIER_DS, number_of_threads=NUM_MMA_THREADS)
 
             # dV^T, then dQ, then dK^T (three commit groups); wait_group(1) leaves dK^T running
-            # while dQ is staged and its reduce-add issued.
-            gemm(
-                tiled_mma_kv,
-                acc_dV,
-                tVrdOt[None, None, None, do_state.index],
-                tVrP,
-                zero_init=False,
-                wg_wait=-1,
-            )
+            # while dQ is staged and its reduce-add issued (other orders: `Shape.order`).
             acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
-            gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True, wg_wait=-1)
-            gemm(
-                tiled_mma_kv,
-                acc_dK,
-                tKrQt[None, None, None, q_state.index],
-                tKrdS,
-                zero_init=False,
-                wg_wait=1,
-            )
-            pipe_do.consumer_release(do_state)  # dP and dV^T, dO's readers, are done
-            do_state.advance()
+            dV = (tiled_mma_kv, acc_dV, tVrdOt[None, None, None, do_state.index], tVrP)
+            dK = (tiled_mma_kv, acc_dK, tKrQt[None, None, None, q_state.index], tKrdS)
+            if const_expr(self.order == "vqk"):
+                gemm(*dV, zero_init=False, wg_wait=-1)
+                gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True, wg_wait=-1)
+                gemm(*dK, zero_init=False, wg_wait=1)
+                pipe_do.consumer_release(do_state)  # dP and dV^T, dO's readers, are done
+                do_state.advance()
+            elif const_expr(self.order == "kqv"):
+                gemm(*dK, zero_init=False, wg_wait=-1)
+                gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True, wg_wait=-1)
+                gemm(*dV, zero_init=False, wg_wait=1)
+                pipe_q.consumer_release(q_state)  # S and dK^T, Q's readers, are done
+                q_state.advance()
+            else:  # "kvq": both stages back before dQ is staged
+                gemm(*dK, zero_init=False, wg_wait=-1)
+                gemm(*dV, zero_init=False, wg_wait=-1)
+                gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True, wg_wait=1)
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
+                pipe_do.consumer_release(do_state)
+                do_state.advance()
+                warpgroup.wait_group(0)
 
             self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min, (i - m_min) % 2 == 1)
             held = self.add_dq_at_turn(
                 sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, m_block, n_block, head, batch, m_min, walk,
                 held, tidx,
             )  # fmt: skip
-            warpgroup.wait_group(0)  # dK^T done: Q's stage goes back to the producer
-            pipe_q.consumer_release(q_state)
-            q_state.advance()
+            if const_expr(self.order == "vqk"):
+                warpgroup.wait_group(0)  # dK^T done: Q's stage goes back to the producer
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
+            elif const_expr(self.order == "kqv"):
+                warpgroup.wait_group(0)  # dV^T done: dO's stage goes back
+                pipe_do.consumer_release(do_state)
+                do_state.advance()
 
         if const_expr(self.deterministic and not self.dq_writer):
             if held >= 0:
