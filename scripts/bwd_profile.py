@@ -87,6 +87,7 @@ PLACES = (
             "48": sm90_bwd_wide.SHAPES,
             "64": sm90_bwd_wide.SHAPES_D256_64,
             "64kvq": sm90_bwd_wide.SHAPES_D256_64_KVQ,
+            "64vqk": sm90_bwd_wide.SHAPES_D256_64_VQK,
         },
         "the wide d256 kernel's keys a CTA (64: one Q stage, dK^T's GEMM first)",
     ),

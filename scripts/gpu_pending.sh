@@ -19,7 +19,7 @@
 #      DQ_STORE_FIRST_MASKED; v37 measured them on an H100 only; v36's H200 presets predate them),
 #      meant for an H200 (~5 min)
 #   40 the wide d256 kernel at 64 keys a CTA (`sm90_bwd_wide.SHAPES_D256_64`, one Q stage; its
-#      GEMM orders "kqv" and "kvq") against 48: A/B non-causal and causal, then the backward tier's
+#      GEMM orders "kqv", "kvq" and the control "vqk") against 48: A/B non-causal and causal, then the backward tier's
 #      d256 tests with 64 keys (a pytest plugin swapping SHAPES in every process), ~7 min
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
@@ -37,7 +37,7 @@ fi
 if [ "$part" = 40 ]; then
     for c in "" --causal; do
         python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide $c --rounds 8 \
-            --ab wide-d256=48 wide-d256=64 wide-d256=64kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab40.txt"
+            --ab wide-d256=48 wide-d256=64 wide-d256=64kvq wide-d256=64vqk 2>&1 | grep -v Warning | tee -a "$OUT/ab40.txt"
     done
     mkdir -p /tmp/pp
     printf 'import hopper_fmha.kernels.sm90_bwd_wide as W\nW.SHAPES = W.SHAPES_D256_%s\n' "${WIDE:-64}" > /tmp/pp/wide64.py

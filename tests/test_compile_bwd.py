@@ -420,6 +420,31 @@ def test_wide_dq_fragments(dims, deterministic):
     assert stack_bytes(cubins[1]) == 0
 
 
+# `sm90_bwd_wide.SHAPES_D256_64*` (session 40, built, off): the wide d256 kernel at 64 keys a CTA with
+# one Q stage (K, V, Q, dO 32 KB each, sP and sdS 8, the dQ staging 64: ~210 KB), in each GEMM
+# order: S and dP as two 64x32 halves, dV^T and dK^T 64x64 (K = 64 queries), dQ 64x128 (K = 64
+# keys): 32 + 16 + 4 WGMMAs a block, no stack; the orders are different kernels.
+@pytest.mark.parametrize("mode", ["plain", "causal-deterministic"])
+def test_wide_d256_at_64_keys_compiles(monkeypatch, mode):
+    from hopper_fmha.kernels import sm90_bwd_wide
+
+    causal = deterministic = mode == "causal-deterministic"
+    texts = []
+    for shapes in ("SHAPES_D256_64", "SHAPES_D256_64_KVQ", "SHAPES_D256_64_VQK"):
+        monkeypatch.setattr(sm90_bwd_wide, "SHAPES", getattr(sm90_bwd_wide, shapes))
+        cubin = bwd_cubin(
+            "bfloat16", 256, causal, deterministic, head_dim_v=256, dq_writer=True, dq_fragments=True,
+            dq_chains=2 if deterministic else 1, dq_writer_warps=2 if deterministic else 1,
+        )  # fmt: skip
+        assert stack_bytes(cubin) == 0, f"{shapes}: {stack_bytes(cubin)} bytes of stack"
+        texts.append(sass_or_skip(cubin))
+        summary = sass_summary(texts[-1])
+        assert summary["hgmma_shapes"] == ["64x32x16", "64x64x16", "64x128x16"]
+        assert summary["hgmma_ss"] == 32 + 16 + 4 and summary["hgmma_rs"] == 0
+    bare = [re.sub(r"/\*[0-9a-f]+\*/", "", t) for t in texts]
+    assert len(set(bare)) == 3
+
+
 # `sm90_bwd_ws.DQ_LAPS` (session 35): the deterministic rotated walk in laps, at d256 (the wide
 # kernel: 2 chains, 2 writer warps, fragments, as `sm90_bwd.backward` asks for it) and d128 tile 80
 # with 3 chains: it compiles, a different kernel, no stack where there was none.

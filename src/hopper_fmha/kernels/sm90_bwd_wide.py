@@ -76,9 +76,10 @@ class Shape:
 SHAPES = {(256, 256): Shape(48, 1, "d"), (192, 128): Shape(96, 2, "keys")}
 # d256 with 64 keys a CTA (a quarter fewer dQ reduce-adds, which bound it on the H100: v39's ncu):
 # with 64 KB of dQ staging only one Q stage fits (208 KB), so the block's GEMMs give Q back first.
-# Not yet measured (session 40: `bwd_profile --wide --ab wide-d256=48 wide-d256=64`).
+# Not yet measured (session 40: `gpu_pending.sh 40`, `bwd_profile --wide --ab wide-d256=48 wide-d256=64`).
 SHAPES_D256_64 = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1, order="kqv")}
 SHAPES_D256_64_KVQ = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1, order="kvq")}
+SHAPES_D256_64_VQK = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1)}  # (the control: Q given back last)
 
 
 # The 16-bit K-major swizzle atoms by their width in columns.
