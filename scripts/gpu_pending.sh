@@ -21,6 +21,8 @@
 #   40 the wide d256 kernel at 64 keys a CTA (`sm90_bwd_wide.SHAPES_D256_64`, one Q stage; its
 #      GEMM orders "kqv", "kvq" and the control "vqk") against 48: A/B non-causal and causal, then the backward tier's
 #      d256 tests with 64 keys (a pytest plugin swapping SHAPES in every process), ~7 min
+#   41 the backward preset (bf16 and fp16) with the wide d256 at 64 keys (`WIDE=64`, `64_KVQ`), for
+#      after part 40 if a variant wins (~4 min)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -43,6 +45,19 @@ if [ "$part" = 40 ]; then
     printf 'import hopper_fmha.kernels.sm90_bwd_wide as W\nW.SHAPES = W.SHAPES_D256_%s\n' "${WIDE:-64}" > /tmp/pp/wide64.py
     PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=wide64 python scripts/gpu_tier.py --out /tmp/tier40 \
         --archive "$OUT/tier40.tar.gz" --procs 15 --budget "${BUDGET:-300}" -k 256 tests/test_gpu_backward.py | tail -20
+    exit 0
+fi
+
+if [ "$part" = 41 ]; then
+    python - "$OUT" "${WIDE:-64}" <<'PY' > "$OUT/bench41.log" 2>&1
+import runpy, sys
+import hopper_fmha.kernels.sm90_bwd_wide as W
+out, wide = sys.argv[1], sys.argv[2]
+W.SHAPES = getattr(W, f"SHAPES_D256_{wide}")
+sys.argv = ["hopper_fmha", "bench", "--preset", "backward", "--dtype", "bfloat16", "float16", "--out", f"{out}/bench"]
+runpy.run_module("hopper_fmha", run_name="__main__")
+PY
+    grep -h -A8 "^## Summary" "$OUT"/bench/*.md
     exit 0
 fi
 
