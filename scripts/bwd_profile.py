@@ -146,10 +146,10 @@ def interleaved_ab(settings: list, call, time_fn, rounds: int) -> dict:
         first = None
         for label, pairs in settings:
             apply(label, pairs)
-            grads = [g.float() for g in call() if isinstance(g, torch.Tensor)]
+            grads = [g.float() for g in call() or () if isinstance(g, torch.Tensor)]
             if first is None:
                 first = grads
-            else:  # the same gradients up to the order of dQ's fp32 adds
+            elif grads:  # the same gradients up to the order of dQ's fp32 adds
                 diffs = [
                     (g - f).abs().max().item() / f.abs().max().item()
                     for g, f in zip(grads, first, strict=True)

@@ -1247,7 +1247,7 @@ def test_bwd_profile_probes_match_the_methods_they_replace():
         assert list(ours) == list(theirs), method
 
 
-def test_bwd_profile_interleaved_ab(monkeypatch):
+def test_bwd_profile_interleaved_ab(monkeypatch, capsys):
     # `--ab`: each setting builds into a kernel dict of its own and is timed with its own switches
     # (the others as they were), in rounds whose order rotates; afterwards all is as before.
     profile = load_bwd_profile()
@@ -1274,6 +1274,16 @@ def test_bwd_profile_interleaved_ab(monkeypatch):
     assert [state[0] for state, _ in seen] == [False, True, False, True, True, False, False, True]
     assert sm90_bwd._compiled == {"before": 1}
     assert (sm90_bwd.DQ_SCALE_AT_CAST, sm90_bwd_ws.LSE_LOAD) == ((64, 80), "before_s")
+    # A call that returns gradients: each later setting's are printed against the first's.
+    monkeypatch.setattr(sm90_bwd, "_compiled", {})
+    grads = {False: torch.tensor([1.0, -4.0]), True: torch.tensor([1.5, -4.0])}
+    times = profile.interleaved_ab(
+        settings, lambda: (grads[bool(sm90_bwd.DQ_SCALE_AT_CAST)], None), lambda fn: 1.0, rounds=1
+    )
+    assert times == {"dq-at-cast=off": [1.0], "dq-at-cast=on,lse-load=after_s": [1.0]}
+    assert capsys.readouterr().out.splitlines() == [
+        "[dq-at-cast=on,lse-load=after_s] gradients' max |diff| / max |the first setting's|: 1.2e-01"
+    ]
     with pytest.raises(SystemExit, match="unknown switch"):
         profile.parse_setting("no-such=on")
     with pytest.raises(SystemExit, match="takes before_s / after_s / after_dp"):
