@@ -14,7 +14,7 @@ pytestmark = pytest.mark.compile
 
 
 def cubin_of(compile_fn, *key, **switches):
-    """The cubin `compile_fn(*key, **switches)` (compile_bwd or compile_preprocess) builds for sm_90a."""
+    """The cubin `compile_fn(*key, **switches)` (compile_bwd, compile_preprocess, ...) builds for sm_90a."""
     with tempfile.TemporaryDirectory() as dump:
         return compile_fn(*key, **switches, options=f"--keep-cubin --dump-dir={dump}").artifacts.CUBIN
 
@@ -370,17 +370,8 @@ WIDE_SHAPES = {
 @pytest.mark.parametrize("dims", list(WIDE_SHAPES), ids=[f"d{a}-dv{b}" for a, b in WIDE_SHAPES])
 @pytest.mark.parametrize("cfg", list(WIDE_CONFIGS))
 def test_wide_kernel_compiles_without_spills(cfg, dims):
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
-
     (sdp, dkv, dq), shapes, words = WIDE_SHAPES[dims]
-    with tempfile.TemporaryDirectory() as dump:
-        cubin = compile_bwd(
-            "bfloat16",
-            dims[0],
-            head_dim_v=dims[1],
-            options=f"--keep-cubin --dump-dir={dump}",
-            **WIDE_CONFIGS[cfg],
-        ).artifacts.CUBIN
+    cubin = bwd_cubin("bfloat16", dims[0], head_dim_v=dims[1], **WIDE_CONFIGS[cfg])
     assert stack_bytes(cubin) == 0, f"{stack_bytes(cubin)} bytes of stack: registers spill"
     text = sass_or_skip(cubin)
     summary = sass_summary(text)
@@ -451,19 +442,16 @@ def test_wide_d256_at_64_keys_compiles(monkeypatch, mode):
 @pytest.mark.parametrize("d, tile, chains", [(256, 64, 2), (128, 80, 3)], ids=["wide-d256", "d128-tile80"])
 def test_dq_laps_compiles(monkeypatch, d, tile, chains):
     from hopper_fmha.kernels import sm90_bwd_ws
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
 
     cubins = []
     for laps in (False, True):
         monkeypatch.setattr(sm90_bwd_ws, "DQ_LAPS", laps)
-        with tempfile.TemporaryDirectory() as dump:
-            cubins.append(
-                compile_bwd(
-                    "bfloat16", d, False, True, mha=True, tile_m=tile, rotate=True, dq_writer=True,
-                    dq_fragments=True, dq_chains=chains, dq_writer_warps=2, head_dim_v=d,
-                    options=f"--keep-cubin --dump-dir={dump}",
-                ).artifacts.CUBIN
-            )  # fmt: skip
+        cubins.append(
+            bwd_cubin(
+                "bfloat16", d, False, True, mha=True, tile_m=tile, rotate=True, dq_writer=True,
+                dq_fragments=True, dq_chains=chains, dq_writer_warps=2, head_dim_v=d,
+            )
+        )  # fmt: skip
     plain, laps = (sass_or_skip(c) for c in cubins)
     assert plain != laps
     assert stack_bytes(cubins[1]) <= max(stack_bytes(cubins[0]), 0 if d == 256 else 8)
@@ -524,16 +512,14 @@ def test_qdo_multicast_compiles(d, tile):
 @pytest.mark.parametrize("d, tile", [(128, 64), (64, 128), (256, 64)], ids=["d128", "d64", "wide-d256"])
 def test_lpt_order_compiles(monkeypatch, d, tile):
     from hopper_fmha.kernels import sm90_bwd_ws
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
 
     texts, stacks = {}, {}
     for lpt, deterministic in ((0, False), (4, False), (0, True), (4, True)):
         monkeypatch.setattr(sm90_bwd_ws, "LPT_HEADS", lpt)
-        with tempfile.TemporaryDirectory() as dump:
-            cubin = compile_bwd(
-                "bfloat16", d, True, deterministic, mha=True, tile_m=tile, head_dim_v=d, dq_writer=True,
-                dq_fragments=True, options=f"--keep-cubin --dump-dir={dump}",
-            ).artifacts.CUBIN  # fmt: skip
+        cubin = bwd_cubin(
+            "bfloat16", d, True, deterministic, mha=True, tile_m=tile, head_dim_v=d, dq_writer=True,
+            dq_fragments=True,
+        )  # fmt: skip
         texts[lpt, deterministic] = sass_or_skip(cubin)
         stacks[lpt, deterministic] = stack_bytes(cubin)
     assert texts[4, False] != texts[0, False] and texts[4, True] == texts[0, True]
@@ -549,17 +535,13 @@ def test_lpt_order_compiles(monkeypatch, d, tile):
     ids=["d128-tile80", "d128-causal", "d64", "wide-d256-causal"],
 )  # fmt: skip
 def test_varlen_dq_fragments_compile(d, causal, tile):
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
-
-    cubins = []
-    for fragments in (False, True):
-        with tempfile.TemporaryDirectory() as dump:
-            cubins.append(
-                compile_bwd(
-                    "bfloat16", d, causal, False, varlen=True, tile_m=tile, head_dim_v=d,
-                    dq_writer=True, dq_fragments=fragments, options=f"--keep-cubin --dump-dir={dump}",
-                ).artifacts.CUBIN
-            )  # fmt: skip
+    cubins = [
+        bwd_cubin(
+            "bfloat16", d, causal, False, varlen=True, tile_m=tile, head_dim_v=d, dq_writer=True,
+            dq_fragments=fragments,
+        )
+        for fragments in (False, True)
+    ]  # fmt: skip
     plain, frag = (sass_or_skip(c) for c in cubins)
     assert "UBLKRED.G.S.ADD.F32" in frag and "UTMAREDG" not in frag and "UTMAREDG" in plain
     assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])
@@ -648,18 +630,13 @@ def test_dq_chains_masked_compiles():
     # as `sm90_bwd.backward` asks for it (writer warps 2, fragments), with 2 chains: a different
     # kernel with the same adds and turn sites (the copy and semaphore picked by turn % 2), no
     # more stack.
-    from hopper_fmha.kernels.sm90_bwd import compile_bwd
-
-    cubins = []
-    for chains in (1, 2):
-        with tempfile.TemporaryDirectory() as dump:
-            cubins.append(
-                compile_bwd(
-                    "bfloat16", 256, True, True, mha=True, tile_m=64, dq_writer=True, dq_fragments=True,
-                    dq_chains=chains, dq_writer_warps=2, head_dim_v=256,
-                    options=f"--keep-cubin --dump-dir={dump}",
-                ).artifacts.CUBIN
-            )  # fmt: skip
+    cubins = [
+        bwd_cubin(
+            "bfloat16", 256, True, True, mha=True, tile_m=64, dq_writer=True, dq_fragments=True,
+            dq_chains=chains, dq_writer_warps=2, head_dim_v=256,
+        )
+        for chains in (1, 2)
+    ]  # fmt: skip
     one, two = (sass_or_skip(c) for c in cubins)
     assert one != two
     for op in ("UBLKRED", "ATOMG", "BAR.ARV"):
@@ -763,10 +740,7 @@ def test_dq_unfragment_kernel_compiles(dtype, d, tile, mapped):
     # registers.
     from hopper_fmha.kernels.dq_unfragment import compile_dq_unfragment, load_batch
 
-    with tempfile.TemporaryDirectory() as dump:
-        cubin = compile_dq_unfragment(
-            dtype, d, tile, mapped, options=f"--keep-cubin --dump-dir={dump}"
-        ).artifacts.CUBIN
+    cubin = cubin_of(compile_dq_unfragment, dtype, d, tile, mapped)
     text = sass_or_skip(cubin)
     chunks = tile * d // 512
     store = "STG.E.U16 " if tile == 80 else "STG.E "
