@@ -18,6 +18,10 @@
 #   33 the backward and backward-features presets with v37's switches (DQ_CHAINS_MASKED,
 #      DQ_STORE_FIRST_MASKED; v37 measured them on an H100 only; v36's H200 presets predate them),
 #      meant for an H200 (~5 min)
+#   34 (ran on an H100 in session 39, back for an H200) where the d256 backward's bytes go: one
+#      bf16 B4 N4096 H8 d256 forward and backward each of ours, cuDNN (SDPA) and FA4 under ncu,
+#      every kernel's DRAM and L2 bytes, throughputs and time; the H100's is
+#      bench/results/2026-12-06-h100-v39/ncu_l2.txt (~2 min)
 #   40 the wide d256 kernel at 64 keys a CTA (`sm90_bwd_wide.SHAPES_D256_64`, one Q stage; its
 #      GEMM orders "kqv", "kvq" and the control "vqk") against 48: A/B non-causal and causal, then the backward tier's
 #      d256 tests with 64 keys (a pytest plugin swapping SHAPES in every process), ~7 min
@@ -33,6 +37,46 @@ if [ "$part" = 33 ]; then
     python -m hopper_fmha bench --preset backward --dtype bfloat16 float16 --out "$OUT/bench" > "$OUT/bench33.log" 2>&1
     python -m hopper_fmha bench --preset backward-features --dtype bfloat16 --out "$OUT/bench" > "$OUT/features33.log" 2>&1
     grep -h -A8 "^## Summary" "$OUT"/bench/*.md
+    exit 0
+fi
+
+if [ "$part" = 34 ]; then
+    cat > /tmp/bwd34.py <<'PY'
+import sys, torch
+backend = sys.argv[1]
+torch.manual_seed(0)
+q, k, v = (torch.randn(4, 4096, 8, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+if backend == "ours":
+    from hopper_fmha import flash_attn_func
+    out = flash_attn_func(q, k, v)
+elif backend == "fa4":
+    from flash_attn.cute import flash_attn_func
+    out = flash_attn_func(q, k, v)
+    out = out[0] if isinstance(out, tuple) else out
+else:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+out.backward(torch.randn_like(out))
+torch.cuda.synchronize()
+PY
+    metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum
+    metrics=$metrics,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed
+    for b in ours cudnn fa4; do
+        python /tmp/bwd34.py $b > /dev/null 2>&1  # compile outside the profile
+        timeout 200 ncu --clock-control none --metrics "$metrics" --csv python /tmp/bwd34.py $b \
+            > "$OUT/ncu34-$b.csv" 2> "$OUT/ncu34-$b.log"
+        echo "$b rc=$?"
+        python - "$OUT/ncu34-$b.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head, rows = rows[0], rows[1:]
+col = {n: i for i, n in enumerate(head)}
+for r in rows:  # one line per kernel and metric
+    if r[col["Metric Name"]].endswith((".sum", "elapsed")):
+        print(f"{r[col['Kernel Name']][:60]:60s} {r[col['Metric Name']]:70s} {r[col['Metric Unit']]:8s} {r[col['Metric Value']]}")
+PY
+    done
     exit 0
 fi
 
