@@ -75,7 +75,7 @@ class Shape:
 # FA4's sm90 configurations at these head dims (flash_attn/cute/interface.py, 4.0.0b36).
 SHAPES = {(256, 256): Shape(48, 1, "d"), (192, 128): Shape(96, 2, "keys")}
 # d256 with 64 keys a CTA (a quarter fewer dQ reduce-adds, which bound it on the H100: v39's ncu):
-# with 64 KB of dQ staging only one Q stage fits (208 KB), so the block's GEMMs give Q back first.
+# with 64 KB of dQ staging only one Q stage fits (214.5 KB), so the block's GEMMs give Q back first.
 # Not yet measured (session 40: `gpu_pending.sh 40`, `bwd_profile --wide --ab wide-d256=48 wide-d256=64`).
 SHAPES_D256_64 = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1, order="kqv")}
 SHAPES_D256_64_KVQ = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1, order="kvq")}
