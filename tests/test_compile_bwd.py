@@ -411,10 +411,11 @@ def test_wide_dq_fragments(dims, deterministic):
     assert stack_bytes(cubins[1]) == 0
 
 
-# `sm90_bwd_wide.SHAPES_D256_64*` (session 40, built, off): the wide d256 kernel at 64 keys a CTA with
-# one Q stage (K, V, Q, dO 32 KB each, sP and sdS 8, the dQ staging 64: ~210 KB), in each GEMM
-# order: S and dP as two 64x32 halves, dV^T and dK^T 64x64 (K = 64 queries), dQ 64x128 (K = 64
-# keys): 32 + 16 + 4 WGMMAs a block, no stack; the orders are different kernels.
+# `sm90_bwd_wide.SHAPES_D256_64*` (session 40, built, off): the wide d256 kernel at 64 keys a CTA
+# with one Q stage (K, V, Q, dO 32 KB each, sP and sdS 8, the dQ staging 64: 214.5 KB with the
+# barriers and rows), in each GEMM order: S and dP as two 64x32 halves, dV^T and dK^T 64x64 (K =
+# 64 queries), dQ 64x128 (K = 64 keys): 32 + 16 + 4 WGMMAs a block, no stack; the orders are
+# different kernels.
 @pytest.mark.parametrize("mode", ["plain", "causal-deterministic"])
 def test_wide_d256_at_64_keys_compiles(monkeypatch, mode):
     from hopper_fmha.kernels import sm90_bwd_wide

@@ -130,7 +130,7 @@ class BwdWideSm90(BwdWsSm90):
         self.do_stages = shape.do_stages
         self.dkv_by_keys = shape.dkv_split == "keys"
         self.q_stages = shape.q_stages
-        assert shape.order in ("vqk", "kqv", "kvq"), shape.order
+        assert sorted(shape.order) == ["k", "q", "v"], shape.order
         self.order = shape.order
         self.dtype = dtype
         self.head_dim = head_dim
@@ -295,31 +295,26 @@ class BwdWideSm90(BwdWsSm90):
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=BARRIER_DS, number_of_threads=NUM_MMA_THREADS)
 
-            # dV^T, then dQ, then dK^T (three commit groups); wait_group(1) leaves dK^T running
-            # while dQ is staged and its reduce-add issued (other orders: `Shape.order`).
+            # The three GEMMs in `Shape.order` (three commit groups; "vqk": dV^T, dQ, dK^T). After
+            # wait_group(1) the first two are done: a stage whose reader ("v": dO's, "k": Q's) is
+            # among them goes back to the producer. The third runs on while dQ is staged and its
+            # reduce-add issued, unless it is dQ's own GEMM, which staging waits for.
             acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
-            dV = (tiled_mma_kv, acc_dV, tVrdOt[None, None, None, do_state.index], tVrP)
-            dK = (tiled_mma_kv, acc_dK, tKrQt[None, None, None, q_state.index], tKrdS)
-            if const_expr(self.order == "vqk"):
-                gemm(*dV, zero_init=False, wg_wait=-1)
-                gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True, wg_wait=-1)
-                gemm(*dK, zero_init=False, wg_wait=1)
-                pipe_do.consumer_release(do_state)  # dP and dV^T, dO's readers, are done
-                do_state.advance()
-            elif const_expr(self.order == "kqv"):
-                gemm(*dK, zero_init=False, wg_wait=-1)
-                gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True, wg_wait=-1)
-                gemm(*dV, zero_init=False, wg_wait=1)
+            gemms = {
+                "v": (tiled_mma_kv, acc_dV, tVrdOt[None, None, None, do_state.index], tVrP),
+                "k": (tiled_mma_kv, acc_dK, tKrQt[None, None, None, q_state.index], tKrdS),
+                "q": (tiled_mma_dq, acc_dQ, tQrdS, tQrKt),
+            }
+            for j in cutlass.range_constexpr(3):
+                name = self.order[j]
+                gemm(*gemms[name], zero_init=name == "q", wg_wait=1 if j == 2 else -1)
+            if const_expr("k" in self.order[:2]):
                 pipe_q.consumer_release(q_state)  # S and dK^T, Q's readers, are done
                 q_state.advance()
-            else:  # "kvq": both stages back before dQ is staged
-                gemm(*dK, zero_init=False, wg_wait=-1)
-                gemm(*dV, zero_init=False, wg_wait=-1)
-                gemm(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, zero_init=True, wg_wait=1)
-                pipe_q.consumer_release(q_state)
-                q_state.advance()
-                pipe_do.consumer_release(do_state)
+            if const_expr("v" in self.order[:2]):
+                pipe_do.consumer_release(do_state)  # dP and dV^T, dO's readers, are done
                 do_state.advance()
+            if const_expr(self.order[2] == "q"):
                 warpgroup.wait_group(0)
 
             self.stage_dq(acc_dQ, sdQ, softmax_scale, tidx, i > m_min, (i - m_min) % 2 == 1)
@@ -327,11 +322,11 @@ class BwdWideSm90(BwdWsSm90):
                 sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, m_block, n_block, head, batch, m_min, walk,
                 held, tidx,
             )  # fmt: skip
-            if const_expr(self.order == "vqk"):
-                warpgroup.wait_group(0)  # dK^T done: Q's stage goes back to the producer
+            if const_expr(self.order[2] == "k"):
+                warpgroup.wait_group(0)  # dK^T done: Q's stage goes back
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
-            elif const_expr(self.order == "kqv"):
+            if const_expr(self.order[2] == "v"):
                 warpgroup.wait_group(0)  # dV^T done: dO's stage goes back
                 pipe_do.consumer_release(do_state)
                 do_state.advance()
