@@ -25,6 +25,8 @@
 #   40 the wide d256 kernel at 64 keys a CTA (`sm90_bwd_wide.SHAPES_D256_64`, one Q stage; its
 #      GEMM orders "kqv", "kvq" and the control "vqk") against 48: A/B non-causal and causal, then the backward tier's
 #      d256 tests with 64 keys (a pytest plugin swapping SHAPES in every process), ~7 min
+#   42 (after part 40: "kvq" at 64 keys won) "kvq" at 48 keys with two Q stages and at d192/128
+#      against the defaults, A/B non-causal and causal, then the d256 tests with `WIDE=64_KVQ` (~5 min)
 #   41 the backward preset (bf16 and fp16) with the wide d256 at 64 keys (`WIDE=64`, `64_KVQ`), for
 #      after part 40 if a variant wins (~4 min)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
@@ -89,6 +91,20 @@ if [ "$part" = 40 ]; then
     printf 'import hopper_fmha.kernels.sm90_bwd_wide as W\nW.SHAPES = W.SHAPES_D256_%s\n' "${WIDE:-64}" > /tmp/pp/wide64.py
     PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=wide64 python scripts/gpu_tier.py --out /tmp/tier40 \
         --archive "$OUT/tier40.tar.gz" --procs 15 --budget "${BUDGET:-300}" -k 256 tests/test_gpu_backward.py | tail -20
+    exit 0
+fi
+
+if [ "$part" = 42 ]; then
+    for c in "" --causal; do
+        python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide $c --rounds 8 \
+            --ab wide-d256=48 wide-d256=48kvq wide-d256=64kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab42.txt"
+        python scripts/bwd_profile.py --d 192 --dv 128 --heads 16 --versions 2 --wide $c --rounds 8 \
+            --ab wide-d256=48 wide-d256=d192kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab42.txt"
+    done
+    mkdir -p /tmp/pp
+    printf 'import hopper_fmha.kernels.sm90_bwd_wide as W\nW.SHAPES = W.SHAPES_D256_%s\n' "${WIDE:-64_KVQ}" > /tmp/pp/wide64.py
+    PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=wide64 python scripts/gpu_tier.py --out /tmp/tier42 \
+        --archive "$OUT/tier42.tar.gz" --procs 15 --budget "${BUDGET:-240}" -k 256 tests/test_gpu_backward.py | tail -3
     exit 0
 fi
 

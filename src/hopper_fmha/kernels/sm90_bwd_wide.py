@@ -80,6 +80,8 @@ SHAPES = {(256, 256): Shape(48, 1, "d"), (192, 128): Shape(96, 2, "keys")}
 SHAPES_D256_64 = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1, order="kqv")}
 SHAPES_D256_64_KVQ = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1, order="kvq")}
 SHAPES_D256_64_VQK = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1)}  # (the control: Q given back last)
+SHAPES_D256_48_KVQ = {**SHAPES, (256, 256): Shape(48, 1, "d", order="kvq")}
+SHAPES_D192_96_KVQ = {**SHAPES, (192, 128): Shape(96, 2, "keys", order="kvq")}
 
 
 # The 16-bit K-major swizzle atoms by their width in columns.
