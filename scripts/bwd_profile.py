@@ -84,14 +84,12 @@ PLACES = (
         sm90_bwd_wide,
         "SHAPES",
         {
-            "48": sm90_bwd_wide.SHAPES,
-            "64": sm90_bwd_wide.SHAPES_D256_64,
-            "64kvq": sm90_bwd_wide.SHAPES_D256_64_KVQ,
-            "64vqk": sm90_bwd_wide.SHAPES_D256_64_VQK,
+            "64kvq": sm90_bwd_wide.SHAPES,
+            "48": sm90_bwd_wide.SHAPES_D256_48,
             "48kvq": sm90_bwd_wide.SHAPES_D256_48_KVQ,
             "d192kvq": sm90_bwd_wide.SHAPES_D192_96_KVQ,
         },
-        "the wide d256 kernel's keys a CTA (64: one Q stage, dK^T's GEMM first)",
+        "the wide kernel's shapes (64kvq: the default; d192kvq: 192/128 in the order dK^T, dV^T, dQ)",
     ),
 )
 

@@ -22,18 +22,14 @@
 #      bf16 B4 N4096 H8 d256 forward and backward each of ours, cuDNN (SDPA) and FA4 under ncu,
 #      every kernel's DRAM and L2 bytes, throughputs and time; the H100's is
 #      bench/results/2026-12-06-h100-v39/ncu_l2.txt (~2 min)
-#   40 the wide d256 kernel at 64 keys a CTA (`sm90_bwd_wide.SHAPES_D256_64`, one Q stage; its
-#      GEMM orders "kqv", "kvq" and the control "vqk") against 48: A/B non-causal and causal, then the backward tier's
-#      d256 tests with 64 keys (a pytest plugin swapping SHAPES in every process), ~7 min
-#   42 (after part 40: "kvq" at 64 keys won) "kvq" at 48 keys with two Q stages and at d192/128
-#      against the defaults, A/B non-causal and causal, then the d256 tests with `WIDE=64_KVQ` (~5 min)
-#   41 the backward preset (bf16 and fp16) with the wide d256 at 64 keys (`WIDE=64`, `64_KVQ`), for
-#      after part 40 if a variant wins (~4 min)
+#   43 (v41: d256 at 64 keys "kvq" now the default; parts 40-42 at 0cd2c3a) the backward tier's
+#      d256 tests, the backward preset in bf16, then the A/B of d256 48 / 48 "kvq" / 64 "kvq" and
+#      192/128 "vqk" / "kvq", non-causal (~6 min)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
-part=${1:-33}
+part=${1:-43}
 
 if [ "$part" = 33 ]; then
     python -m hopper_fmha bench --preset backward --dtype bfloat16 float16 --out "$OUT/bench" > "$OUT/bench33.log" 2>&1
@@ -82,42 +78,15 @@ PY
     exit 0
 fi
 
-if [ "$part" = 40 ]; then
-    for c in "" --causal; do
-        python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide $c --rounds 8 \
-            --ab wide-d256=48 wide-d256=64 wide-d256=64kvq wide-d256=64vqk 2>&1 | grep -v Warning | tee -a "$OUT/ab40.txt"
-    done
-    mkdir -p /tmp/pp
-    printf 'import hopper_fmha.kernels.sm90_bwd_wide as W\nW.SHAPES = W.SHAPES_D256_%s\n' "${WIDE:-64}" > /tmp/pp/wide64.py
-    PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=wide64 python scripts/gpu_tier.py --out /tmp/tier40 \
-        --archive "$OUT/tier40.tar.gz" --procs 15 --budget "${BUDGET:-300}" -k 256 tests/test_gpu_backward.py | tail -20
-    exit 0
-fi
-
-if [ "$part" = 42 ]; then
-    for c in "" --causal; do
-        python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide $c --rounds 8 \
-            --ab wide-d256=48 wide-d256=48kvq wide-d256=64kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab42.txt"
-        python scripts/bwd_profile.py --d 192 --dv 128 --heads 16 --versions 2 --wide $c --rounds 8 \
-            --ab wide-d256=48 wide-d256=d192kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab42.txt"
-    done
-    mkdir -p /tmp/pp
-    printf 'import hopper_fmha.kernels.sm90_bwd_wide as W\nW.SHAPES = W.SHAPES_D256_%s\n' "${WIDE:-64_KVQ}" > /tmp/pp/wide64.py
-    PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=wide64 python scripts/gpu_tier.py --out /tmp/tier42 \
-        --archive "$OUT/tier42.tar.gz" --procs 15 --budget "${BUDGET:-240}" -k 256 tests/test_gpu_backward.py | tail -3
-    exit 0
-fi
-
-if [ "$part" = 41 ]; then
-    python - "$OUT" "${WIDE:-64}" <<'PY' > "$OUT/bench41.log" 2>&1
-import runpy, sys
-import hopper_fmha.kernels.sm90_bwd_wide as W
-out, wide = sys.argv[1], sys.argv[2]
-W.SHAPES = getattr(W, f"SHAPES_D256_{wide}")
-sys.argv = ["hopper_fmha", "bench", "--preset", "backward", "--dtype", "bfloat16", "float16", "--out", f"{out}/bench"]
-runpy.run_module("hopper_fmha", run_name="__main__")
-PY
-    grep -h -A8 "^## Summary" "$OUT"/bench/*.md
+if [ "$part" = 43 ]; then
+    python scripts/gpu_tier.py --out /tmp/tier43 --archive "$OUT/tier43.tar.gz" --procs 15 \
+        --budget "${BUDGET:-200}" -k 256 tests/test_gpu_backward.py | tail -3
+    python -m hopper_fmha bench --preset backward --dtype bfloat16 --out "$OUT/bench" > "$OUT/bench43.log" 2>&1
+    grep -h -A12 "^## Summary" "$OUT"/bench/*.md
+    timeout 100 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide --rounds 6 \
+        --ab wide-d256=48 wide-d256=48kvq wide-d256=64kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab43.txt"
+    timeout 60 python scripts/bwd_profile.py --d 192 --dv 128 --heads 16 --versions 2 --wide --rounds 6 \
+        --ab wide-d256=64kvq wide-d256=d192kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab43.txt"
     exit 0
 fi
 

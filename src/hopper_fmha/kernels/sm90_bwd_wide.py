@@ -72,16 +72,14 @@ class Shape:
     order: str = "vqk"
 
 
-# FA4's sm90 configurations at these head dims (flash_attn/cute/interface.py, 4.0.0b36).
-SHAPES = {(256, 256): Shape(48, 1, "d"), (192, 128): Shape(96, 2, "keys")}
-# d256 with 64 keys a CTA (a quarter fewer dQ reduce-adds, which bound it on the H100: v39's ncu):
-# with 64 KB of dQ staging only one Q stage fits (214.5 KB), so the block's GEMMs give Q back first.
-# Not yet measured (session 40: `gpu_pending.sh 40`, `bwd_profile --wide --ab wide-d256=48 wide-d256=64`).
-SHAPES_D256_64 = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1, order="kqv")}
-SHAPES_D256_64_KVQ = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1, order="kvq")}
-SHAPES_D256_64_VQK = {**SHAPES, (256, 256): Shape(64, 1, "d", q_stages=1)}  # (the control: Q given back last)
-SHAPES_D256_48_KVQ = {**SHAPES, (256, 256): Shape(48, 1, "d", order="kvq")}
-SHAPES_D192_96_KVQ = {**SHAPES, (192, 128): Shape(96, 2, "keys", order="kvq")}
+# d256: 64 keys a CTA (FA4's sm90 takes 48): a quarter fewer dQ reduce-adds than 48, which bound
+# it on the H100 (v39's ncu). With 64 KB of dQ staging only one Q stage fits (214.5 KB), so the
+# block's GEMMs run dK^T, dV^T, dQ and give both stages back before dQ is staged (v41, H100: 321 ->
+# 404 TFLOP/s non-causal, 298 -> 375 causal; "kqv" 286 and "vqk" 280 lost). (192, 128): FA4's.
+SHAPES = {(256, 256): Shape(64, 1, "d", q_stages=1, order="kvq"), (192, 128): Shape(96, 2, "keys")}
+SHAPES_D256_48 = {**SHAPES, (256, 256): Shape(48, 1, "d")}  # (the default until v41)
+SHAPES_D256_48_KVQ = {**SHAPES, (256, 256): Shape(48, 1, "d", order="kvq")}  # (two Q stages; unmeasured)
+SHAPES_D192_96_KVQ = {**SHAPES, (192, 128): Shape(96, 2, "keys", order="kvq")}  # (unmeasured)
 
 
 # The 16-bit K-major swizzle atoms by their width in columns.
