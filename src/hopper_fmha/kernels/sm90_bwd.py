@@ -888,7 +888,7 @@ WIDE_ROTATE = True
 
 
 def keys_per_cta(head_dim: int, head_dim_v: int) -> int:
-    """The v2 kernels' keys per CTA: 128 (`sm90_bwd_ws`), or the wide kernel's tile (48 at
+    """The v2 kernels' keys per CTA: 128 (`sm90_bwd_ws`), or the wide kernel's tile (64 at
     (256, 256), 96 at (192, 128): `sm90_bwd_wide.SHAPES`), for kernel head dims."""
     if head_dim <= HEAD_DIMS[-1]:
         return 128

@@ -6,7 +6,7 @@ preprocess, dQ reduce-add, deterministic turns, masks, softcap and varlen) canno
 dims: there each consumer warpgroup keeps dK and dV of 64 keys x d in registers (WGMMA's M is 64
 rows per warpgroup), 256 fp32 values per thread at d256. Here the GEMMs that make dK and dV are
 turned around so that d is their M (FlashAttention-3's dKV_swapAB, FA4's configurations at these
-head dims), and a CTA owns tile_n keys (`SHAPES`: 48 at d256, 96 at 192/128):
+head dims), and a CTA owns tile_n keys (`SHAPES`: 64 at d256, 96 at 192/128):
 
     S    = Q_m K^T          SS-WGMMA, M = 64 queries, N = tile_n keys, a warpgroup per half of them
     dP   = dO_m V^T         the same
@@ -14,7 +14,7 @@ head dims), and a CTA owns tile_n keys (`SHAPES`: 48 at d256, 96 at 192/128):
     P, dS -> sP, sdS        4-byte stores; both warpgroups' columns, then a named barrier
     dV^T += dO_m^T P        SS-WGMMA, M = dv or d, N = keys, K = 64 queries; A and B both MN-major
     dK^T += Q_m^T dS        views of the row-major buffers. The warpgroups split them by d (64-row
-                            blocks alternating: d256, 48 keys, 48 values each a thread) or by keys
+                            blocks alternating: d256, 64 keys, 64 values each a thread) or by keys
                             (half each: 192/128, 96 keys, dK^T 72 and dV^T 48 values a thread)
     dQ_m[:, half w] = dS K[:, half w]
                             SS-WGMMA, M = 64 queries, N = d / 2 (warpgroup w's half of d), K =
