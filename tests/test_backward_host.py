@@ -505,7 +505,7 @@ def test_fewest_turns():
     g = torch.Generator().manual_seed(1)
     for _ in range(400):
         sq, sk = (int(x) for x in torch.randint(0, 700, (2,), generator=g))
-        tile_m, tile_n = (64, 80, 128)[int(torch.randint(3, (1,), generator=g))], (48, 96, 128)[_ % 3]
+        tile_m, tile_n = (64, 80, 128)[int(torch.randint(3, (1,), generator=g))], (48, 64, 96, 128)[_ % 4]
         left, right = (int(x) - 1 if x < 300 else -1 for x in torch.randint(0, 400, (2,), generator=g))
         case = (sq, sk, tile_m, tile_n, left, right)
         turns = [len(dq_order(m, tile_m, tile_n, sq, sk, left, right)) for m in range(-(-sq // tile_m))]
@@ -1590,14 +1590,14 @@ def test_dq_unfragment_kernel_host(kernels, monkeypatch, d, causal, tile, unscal
 
 
 def test_rotation_needs_a_heads_key_blocks_resident(monkeypatch):
-    # One CTA per SM in both v2 kernels: a head's key blocks (128 keys, or the wide kernel's 48 /
+    # One CTA per SM in both v2 kernels: a head's key blocks (128 keys, or the wide kernel's 64 /
     # 96) at most the SM count (HOST_SM_COUNT off the GPU), deterministic, no causal or window.
     sms = sm90_bwd.HOST_SM_COUNT
     assert [sm90_bwd.keys_per_cta(*dims) for dims in ((64, 64), (128, 128), (256, 256), (192, 128))] == [
-        128, 128, 48, 96,
+        128, 128, 64, 96,
     ]  # fmt: skip
     cpu = torch.device("cpu")
-    for dims, tile_n in (((128, 128), 128), ((256, 256), 48), ((192, 128), 96)):
+    for dims, tile_n in (((128, 128), 128), ((256, 256), 64), ((192, 128), 96)):
         wide = dims[0] > 128
         for wide_rotate in (False, True):
             monkeypatch.setattr(sm90_bwd, "WIDE_ROTATE", wide_rotate)
@@ -1608,7 +1608,7 @@ def test_rotation_needs_a_heads_key_blocks_resident(monkeypatch):
             assert not sm90_bwd.rotates(False, 2, False, -1, -1, tile_n, cpu, *dims)
     # Not deterministic: only with `PLAIN_ROTATE`, at any length (no turns), never causal or windowed.
     monkeypatch.setattr(sm90_bwd, "PLAIN_ROTATE", True)
-    for dims, tile_n in (((128, 128), 128), ((256, 256), 48)):
+    for dims, tile_n in (((128, 128), 128), ((256, 256), 64)):
         assert sm90_bwd.rotates(False, 2, False, -1, -1, 2 * sms * tile_n, cpu, *dims)
         assert not sm90_bwd.rotates(False, 2, True, -1, -1, tile_n, cpu, *dims)
         assert not sm90_bwd.rotates(False, 2, False, 100, -1, tile_n, cpu, *dims)

@@ -21,8 +21,9 @@ head dims), and a CTA owns tile_n keys (`SHAPES`: 64 at d256, 96 at 192/128):
                             tile_n keys; staged and added into dQacc by one TMA reduce-add per
                             warpgroup, as `sm90_bwd_ws` at tile_m 64
 
-Shared memory: d256 K, V 24 KB each, Q two stages (64 KB), dO one (32 KB), sP and sdS one buffer
-each (6 KB each), the dQ staging 64 KB: 222 KB of 227; 192/128 K 36, V 24, Q 48, dO two stages 32,
+Shared memory: d256 K, V 32 KB each, Q one stage and dO one (32 KB each), sP and sdS one buffer
+each (8 KB each), the dQ staging 64 KB: 214.5 KB of 227 (at 48 keys, until v41: K, V 24 KB, Q two
+stages, sP and sdS 6 KB: 222 KB); 192/128 K 36, V 24, Q 48, dO two stages 32,
 sP, sdS 12 each, dQ 48: 214 KB (K's swizzle atoms 32 columns wide there, `smem_layouts`). With one
 sP/sdS buffer, a warpgroup writes block m + 1's P and dS only after both warpgroups' GEMMs of block
 m have read them (`BARRIER_PDS_FREE`).
