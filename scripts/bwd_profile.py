@@ -91,6 +91,13 @@ PLACES = (
         },
         "the wide kernel's shapes (64kvq: the default; d192kvq: 192/128 in the order dK^T, dV^T, dQ)",
     ),
+    (
+        "--dq-chains-d256",
+        sm90_bwd,
+        "DQ_CHAINS",
+        {str(k): {(256, 256): k} for k in (1, 2, 3)},
+        "deterministic d256's dQ chains (--dq-chains as an --ab setting)",
+    ),
 )
 
 

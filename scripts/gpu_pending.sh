@@ -24,7 +24,8 @@
 #      bench/results/2026-12-06-h100-v39/ncu_l2.txt (~2 min)
 #   43 (v41: d256 at 64 keys "kvq" now the default; parts 40-42 at 0cd2c3a) the backward tier's
 #      d256 tests, the backward preset in bf16, then the A/B of d256 48 / 48 "kvq" / 64 "kvq" and
-#      192/128 "vqk" / "kvq", non-causal (~6 min)
+#      192/128 "vqk" / "kvq", non-causal, then deterministic d256 causal at 64 keys (82.8% of
+#      plain in v41), 48 keys and 3 chains (~7 min)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -87,6 +88,8 @@ if [ "$part" = 43 ]; then
         --ab wide-d256=48 wide-d256=48kvq wide-d256=64kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab43.txt"
     timeout 60 python scripts/bwd_profile.py --d 192 --dv 128 --heads 16 --versions 2 --wide --rounds 6 \
         --ab wide-d256=64kvq wide-d256=d192kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab43.txt"
+    timeout 120 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide --causal --deterministic \
+        --rounds 6 --ab wide-d256=64kvq wide-d256=48 dq-chains-d256=3 2>&1 | grep -v Warning | tee -a "$OUT/ab43.txt"
     exit 0
 fi
 
