@@ -61,7 +61,6 @@ ON_OFF = (
     ("--dq-chains-masked", sm90_bwd, "DQ_CHAINS_MASKED", "deterministic: chains with causal or a window"),
     ("--dq-store-first-masked", sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", "deterministic: first stores, masked"),
     ("--plain-rotate", sm90_bwd, "PLAIN_ROTATE", "not deterministic: the rotated walk (no causal or window)"),
-    ("--dq-last", sm90_bwd_ws, "DQ_LAST", "dense kernels: GEMMs dV, dK, dQ, both stages back before dQ"),
 )
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),

@@ -26,8 +26,6 @@
 #      d256 tests, the backward preset in bf16, then the A/B of d256 48 / 48 "kvq" / 64 "kvq" and
 #      192/128 "vqk" / "kvq", non-causal, then deterministic d256 causal at 64 keys (82.8% of
 #      plain in v41), 48 keys and 3 chains (~7 min)
-#   44 `sm90_bwd_ws.DQ_LAST` (session 41, off): A/B off / on at d64 and d128, non-causal and causal,
-#      then `tests/test_gpu_backward.py` with it on (a pytest plugin; what a 200 s budget reaches) (~6 min)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -92,21 +90,6 @@ if [ "$part" = 43 ]; then
         --ab wide-d256=64kvq wide-d256=d192kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab43.txt"
     timeout 120 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide --causal --deterministic \
         --rounds 6 --ab wide-d256=64kvq wide-d256=48 dq-chains-d256=3 2>&1 | grep -v Warning | tee -a "$OUT/ab43.txt"
-    exit 0
-fi
-
-if [ "$part" = 44 ]; then
-    for dims in "--d 128 --heads 16" "--d 64 --heads 32"; do
-        for c in "" --causal; do
-            python scripts/bwd_profile.py $dims --versions 2 $c --rounds 8 --ab dq-last=off dq-last=on \
-                2>&1 | grep -v Warning | tee -a "$OUT/ab44.txt"
-        done
-    done
-    mkdir -p /tmp/pp
-    printf 'import hopper_fmha.kernels.sm90_bwd_ws as W\nW.DQ_LAST = True\n' > /tmp/pp/dqlast.py
-    PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=dqlast python scripts/gpu_tier.py --out /tmp/tier44 \
-        --archive "$OUT/tier44.tar.gz" --procs 15 --budget "${BUDGET:-200}" -k "not wide and not 256 and not 192" \
-        tests/test_gpu_backward.py | tail -3
     exit 0
 fi
 

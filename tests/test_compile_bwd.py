@@ -753,32 +753,3 @@ def test_dq_unfragment_kernel_compiles(dtype, d, tile, mapped):
         assert text.find(store, loads[0]) > loads[-1]
     res = kernel_resources(cubin)
     assert res["stack_bytes"] == 0 and res["registers"] <= 128
-
-
-# `sm90_bwd_ws.DQ_LAST` (session 41, off): a query block's GEMMs as dV, dK, dQ, both stages given
-# back before dQ is staged. At d64 tile 128, d128 tile 80 (dQ^T swapped) and d128 causal tile 64,
-# deterministic with the writer warp too: a different kernel, the same WGMMAs, no more stack.
-@pytest.mark.parametrize(
-    "d, causal, tile, deterministic",
-    [(64, False, 128, False), (128, False, 80, False), (128, True, 64, False), (128, True, 64, True)],
-    ids=["d64-tile128", "d128-tile80", "d128-causal-tile64", "d128-causal-deterministic"],
-)
-def test_dq_last_compiles(monkeypatch, d, causal, tile, deterministic):
-    from hopper_fmha.kernels import sm90_bwd_ws
-
-    cubins = []
-    for last in (False, True):
-        monkeypatch.setattr(sm90_bwd_ws, "DQ_LAST", last)
-        cubins.append(
-            bwd_cubin(
-                "bfloat16", d, causal, deterministic, mha=True, tile_m=tile, dq_writer=deterministic,
-                dq_fragments=True, dq_writer_warps=2 if deterministic else 1,
-            )
-        )  # fmt: skip
-    plain, last = (sass_or_skip(c) for c in cubins)
-    assert plain != last
-    before, after = sass_summary(plain), sass_summary(last)
-    assert (after["hgmma_ss"], after["hgmma_rs"], after["hgmma_shapes"]) == (
-        before["hgmma_ss"], before["hgmma_rs"], before["hgmma_shapes"],
-    )  # fmt: skip
-    assert stack_bytes(cubins[1]) <= stack_bytes(cubins[0])

@@ -122,14 +122,6 @@ DKV_TMA_TILES: tuple[int, ...] = (64, 80, 128)
 # also delays the exponentials. 754 d128 GPU tests passed with each of the two new places. Read when
 # a kernel is built, like `DKV_TMA_TILES`.
 LSE_LOAD = "before_s"
-# A query block's last three GEMMs as dV, dK, dQ (True) in place of dV, dQ, dK: dO's and Q's stages
-# both go back once dV and dK are done, before dQ is staged, which then waits for its own GEMM (the
-# wide kernel's order "kvq", `sm90_bwd_wide.Shape`). Why (session 41): at d256 that order, with 64
-# keys a CTA and one Q stage, ran +26% where the tile alone predicted +0-8%; the dense kernels at
-# d64 / d128 (0.94-0.97x the best peer on the H100, v41) give Q's stage back only after dK. Predicted
-# 0-3% (two Q stages here already hide most of a load). Built session 41, off, unmeasured:
-# `bwd_profile --ab dq-last=off dq-last=on`. Read when a kernel is built, like `DKV_TMA_TILES`.
-DQ_LAST = False
 # How many of a consumer thread's query columns take their exponentials before the wait for dP^T
 # ("all", "half", "quarter", "none"), without softcap. The other columns get S scale log2 e - LSE
 # log2 e (-inf where masked) before the wait, in place, and their exponentials after it, each
@@ -869,8 +861,7 @@ class BwdWsSm90(BwdSm90):
 
             # Three commit groups, in this order: dV (needs only this warpgroup's P), then, once
             # both warpgroups' dS^T are in sdS, dQ, then dK. wait_group(1) leaves dK running while
-            # dQ is staged in sdQ and its reduce-add is issued. `DQ_LAST`: dV, dK, then dQ;
-            # wait_group(1) leaves dQ running while both stages go back.
+            # dQ is staged in sdQ and its reduce-add is issued.
             tVrP = cute.make_tensor(rP.iterator, acc_to_operand_a_layout(rP.layout))
             tKrdS = cute.make_tensor(rdS.iterator, acc_to_operand_a_layout(rdS.layout))
             gemm(
@@ -881,15 +872,6 @@ class BwdWsSm90(BwdSm90):
                 zero_init=False,
                 wg_wait=-1,
             )
-            if const_expr(DQ_LAST):
-                gemm(
-                    tiled_mma_kv,
-                    acc_dK,
-                    tKrdS,
-                    tKrQt[None, None, None, q_state.index],
-                    zero_init=False,
-                    wg_wait=-1,
-                )
             cute.arch.barrier(barrier_id=BARRIER_DS, number_of_threads=NUM_MMA_THREADS)
             if const_expr(self.dq_swapped):
                 acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((d, tile_m)))
@@ -897,24 +879,17 @@ class BwdWsSm90(BwdSm90):
             else:
                 acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tile_m, d)))
                 gemm(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buf], tQrKt, zero_init=True, wg_wait=-1)
-            if const_expr(DQ_LAST):
-                warpgroup.wait_group(1)  # dV and dK done: Q's stage goes back too
-                pipe_q.consumer_release(q_state)
-                q_state.advance()
-            else:
-                gemm(
-                    tiled_mma_kv,
-                    acc_dK,
-                    tKrdS,
-                    tKrQt[None, None, None, q_state.index],
-                    zero_init=False,
-                    wg_wait=1,
-                )
-            # dO's last readers (dP^T and dV) are done with its stage.
+            gemm(
+                tiled_mma_kv,
+                acc_dK,
+                tKrdS,
+                tKrQt[None, None, None, q_state.index],
+                zero_init=False,
+                wg_wait=1,
+            )
+            # dV and dQ done: dO's last reader (dP^T and dV) is done with its stage.
             pipe_do.consumer_release(do_state)
             do_state.advance()
-            if const_expr(DQ_LAST):
-                warpgroup.wait_group(0)  # dQ done, to be staged
 
             # dQ into sdQ, then (deterministic: at the CTA's turn, complete before the turn passes,
             # `release_turn`) added into dQacc by TMA.
@@ -923,10 +898,9 @@ class BwdWsSm90(BwdSm90):
                 sdQ, tma_atom_dQ, mdQacc, mSem, mask, seqlen, m_block, n_block, head, batch, m_min, walk,
                 held, tidx,
             )  # fmt: skip
-            if const_expr(not DQ_LAST):
-                warpgroup.wait_group(0)  # dK done: Q's stage goes back to the producer
-                pipe_q.consumer_release(q_state)
-                q_state.advance()
+            warpgroup.wait_group(0)  # dK done: Q's stage goes back to the producer
+            pipe_q.consumer_release(q_state)
+            q_state.advance()
 
         if const_expr(self.deterministic and not self.dq_writer):
             if held >= 0:
