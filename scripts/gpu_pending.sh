@@ -93,4 +93,44 @@ if [ "$part" = 43 ]; then
     exit 0
 fi
 
+if [ "$part" = 45 ]; then
+    # session 42: the A/Bs that decide a default first, then the d256 tests (the ones v41 did not
+    # reach first) for what is left of the call
+    for dims in "--d 128 --heads 16" "--d 64 --heads 32"; do
+        for c in "" --causal; do
+            timeout 90 python scripts/bwd_profile.py $dims --versions 2 $c --rounds 8 --ab dq-last=off dq-last=on \
+                2>&1 | grep -v Warning | tee -a "$OUT/ab45.txt"
+        done
+    done
+    timeout 100 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide --rounds 6 \
+        --ab wide-d256=48 wide-d256=48kvq wide-d256=64kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab45.txt"
+    timeout 60 python scripts/bwd_profile.py --d 192 --dv 128 --heads 16 --versions 2 --wide --rounds 6 \
+        --ab wide-d256=64kvq wide-d256=d192kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab45.txt"
+    timeout 100 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide --causal --deterministic \
+        --rounds 6 --ab wide-d256=64kvq wide-d256=48 dq-chains-d256=3 2>&1 | grep -v Warning | tee -a "$OUT/ab45.txt"
+    left=$((${LIMIT:-580} - SECONDS))
+    python scripts/gpu_tier.py --out /tmp/tier45 --archive "$OUT/tier45.tar.gz" --procs 15 \
+        --budget $left --ids scripts/ids_d256.txt | tail -3
+    exit 0
+fi
+
+if [ "$part" = 46 ]; then
+    # session 42: ncu of the causal d128 / d64 backward, ours against FA4's (the largest plain gaps),
+    # then the 192/128 wide tests (its issue loop rewritten in bd5384e, not GPU-run since)
+    bash scripts/ncu_bwd_pair.sh 128:16:causal 64:32:causal
+    left=$((${LIMIT:-580} - SECONDS))
+    python scripts/gpu_tier.py --out /tmp/tier46 --archive "$OUT/tier46.tar.gz" --procs 15 \
+        --budget $left -k 192 tests/test_gpu_backward.py | tail -3
+    exit 0
+fi
+
+if [ "$part" = 47 ]; then
+    # session 42: the 192/128 wide tests (its issue loop rewritten in bd5384e, not GPU-run since),
+    # then part 33 (the backward presets, bf16 and fp16, and backward-features)
+    python scripts/gpu_tier.py --out /tmp/tier47 --archive "$OUT/tier47.tar.gz" --procs 15 \
+        --budget "${BUDGET:-150}" -k 192 tests/test_gpu_backward.py | tail -3
+    bash "$0" 33
+    exit 0
+fi
+
 echo "no pending part $part"
