@@ -66,6 +66,13 @@ PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),
     ("--lpt-heads", sm90_bwd_ws, "LPT_HEADS", ("0", "2", "4", "8", "16"), "causal: longest CTAs first"),
     (
+        "--lse-ahead",
+        sm90_bwd_ws,
+        "LSE_AHEAD_TILE128",
+        ("0", "4", "8", "16"),
+        "tile_m 128 (d64): LSE columns read before the S^T GEMM",
+    ),
+    (
         "--exp-early",
         sm90_bwd_ws,
         "EXP_EARLY",
@@ -86,10 +93,8 @@ PLACES = (
         {
             "64kvq": sm90_bwd_wide.SHAPES,
             "48": sm90_bwd_wide.SHAPES_D256_48,
-            "48kvq": sm90_bwd_wide.SHAPES_D256_48_KVQ,
-            "d192kvq": sm90_bwd_wide.SHAPES_D192_96_KVQ,
         },
-        "the wide kernel's shapes (64kvq: the default; d192kvq: 192/128 in the order dK^T, dV^T, dQ)",
+        "the wide d256 kernel's shape (64kvq: the default; 48: until v41)",
     ),
     (
         "--dq-chains-d256",

@@ -13,24 +13,31 @@
 # bench/results/2026-11-28-h200-v34) at c9208e4, parts 26-27 (session 35,
 # bench/results/2026-11-28-h200-v35) at ed51f72, 28-30 (session 36) at b3033b5, 32 (session 37,
 # bench/results/2026-12-06-h100-v37) in the commit that adds that folder, 31 and 34-36 (sessions 38-39,
-# bench/results/2026-12-06-h100-v38 and -v39) at a2c18af, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
+# bench/results/2026-12-06-h100-v38 and -v39) at a2c18af, 40-42 at 0cd2c3a, 43 (session 41,
+# bench/results/2026-12-07-h100-v41) at 1c35ee0, 44 at ad64cb9, 45-47 (session 42,
+# bench/results/2026-12-07-h100-v42) at 8563f37, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
 # Each results README names its files' parts.
-#   33 the backward and backward-features presets with v37's switches (DQ_CHAINS_MASKED,
-#      DQ_STORE_FIRST_MASKED; v37 measured them on an H100 only; v36's H200 presets predate them),
-#      meant for an H200 (~5 min)
+#   33 the backward and backward-features presets (bf16 and fp16; backward-features bf16), meant
+#      for an H200: v36's H200 presets predate v37's switches and v41's d256 tile; ran on an H100 in
+#      session 42, where backward-features was cut at 42 of 72 records (~5 min for the backward
+#      preset, ~4 for backward-features: give it a call of its own)
 #   34 (ran on an H100 in session 39, back for an H200) where the d256 backward's bytes go: one
 #      bf16 B4 N4096 H8 d256 forward and backward each of ours, cuDNN (SDPA) and FA4 under ncu,
 #      every kernel's DRAM and L2 bytes, throughputs and time; the H100's is
 #      bench/results/2026-12-06-h100-v39/ncu_l2.txt (~2 min)
-#   43 (v41: d256 at 64 keys "kvq" now the default; parts 40-42 at 0cd2c3a) the backward tier's
-#      d256 tests, the backward preset in bf16, then the A/B of d256 48 / 48 "kvq" / 64 "kvq" and
-#      192/128 "vqk" / "kvq", non-causal, then deterministic d256 causal at 64 keys (82.8% of
-#      plain in v41), 48 keys and 3 chains (~7 min)
+#   48 (session 42, not run: the device budget ran out) two d64 / d128 A/Bs on an H100 (~4 min):
+#      `sm90_bwd_ws.LSE_AHEAD_TILE128` (built session 42, off) 0 / 8 / 16 at d64, plain and causal;
+#      `EXP_EARLY` all / half / quarter at d128 causal (tile 64, "all" its default), d64 causal
+#      (tile 128, "half") and d128 (tile 80, "all"), the defaults v34 chose on an H200. Why: the
+#      ncu of the causal d128 / d64 backward against FA4's (bench/results/2026-12-07-h100-v42/
+#      ncu42.md) puts back-to-back MUFU waits and FFMAs waiting for the LSE's LDS among ours'
+#      excess stalls. Then, with LSE_AHEAD_TILE128 = 8, the d64 tests of the backward tier (a pytest
+#      plugin sets it; what a 200 s budget reaches)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
-part=${1:-43}
+part=${1:-48}
 
 if [ "$part" = 33 ]; then
     python -m hopper_fmha bench --preset backward --dtype bfloat16 float16 --out "$OUT/bench" > "$OUT/bench33.log" 2>&1
@@ -79,57 +86,20 @@ PY
     exit 0
 fi
 
-if [ "$part" = 43 ]; then
-    python scripts/gpu_tier.py --out /tmp/tier43 --archive "$OUT/tier43.tar.gz" --procs 15 \
-        --budget "${BUDGET:-200}" -k 256 tests/test_gpu_backward.py | tail -3
-    python -m hopper_fmha bench --preset backward --dtype bfloat16 --out "$OUT/bench" > "$OUT/bench43.log" 2>&1
-    grep -h -A12 "^## Summary" "$OUT"/bench/*.md
-    timeout 100 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide --rounds 6 \
-        --ab wide-d256=48 wide-d256=48kvq wide-d256=64kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab43.txt"
-    timeout 60 python scripts/bwd_profile.py --d 192 --dv 128 --heads 16 --versions 2 --wide --rounds 6 \
-        --ab wide-d256=64kvq wide-d256=d192kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab43.txt"
-    timeout 120 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide --causal --deterministic \
-        --rounds 6 --ab wide-d256=64kvq wide-d256=48 dq-chains-d256=3 2>&1 | grep -v Warning | tee -a "$OUT/ab43.txt"
-    exit 0
-fi
-
-if [ "$part" = 45 ]; then
-    # session 42: the A/Bs that decide a default first, then the d256 tests (the ones v41 did not
-    # reach first) for what is left of the call
-    for dims in "--d 128 --heads 16" "--d 64 --heads 32"; do
-        for c in "" --causal; do
-            timeout 90 python scripts/bwd_profile.py $dims --versions 2 $c --rounds 8 --ab dq-last=off dq-last=on \
-                2>&1 | grep -v Warning | tee -a "$OUT/ab45.txt"
-        done
+if [ "$part" = 48 ]; then
+    for c in "" --causal; do
+        timeout 60 python scripts/bwd_profile.py --d 64 --heads 32 --versions 2 $c --rounds 8 \
+            --ab lse-ahead=0 lse-ahead=8 lse-ahead=16 2>&1 | grep -v Warning | tee -a "$OUT/ab48.txt"
     done
-    timeout 100 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide --rounds 6 \
-        --ab wide-d256=48 wide-d256=48kvq wide-d256=64kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab45.txt"
-    timeout 60 python scripts/bwd_profile.py --d 192 --dv 128 --heads 16 --versions 2 --wide --rounds 6 \
-        --ab wide-d256=64kvq wide-d256=d192kvq 2>&1 | grep -v Warning | tee -a "$OUT/ab45.txt"
-    timeout 100 python scripts/bwd_profile.py --d 256 --heads 8 --versions 2 --wide --causal --deterministic \
-        --rounds 6 --ab wide-d256=64kvq wide-d256=48 dq-chains-d256=3 2>&1 | grep -v Warning | tee -a "$OUT/ab45.txt"
-    left=$((${LIMIT:-580} - SECONDS))
-    python scripts/gpu_tier.py --out /tmp/tier45 --archive "$OUT/tier45.tar.gz" --procs 15 \
-        --budget $left --ids scripts/ids_d256.txt | tail -3
-    exit 0
-fi
-
-if [ "$part" = 46 ]; then
-    # session 42: ncu of the causal d128 / d64 backward, ours against FA4's (the largest plain gaps),
-    # then the 192/128 wide tests (its issue loop rewritten in bd5384e, not GPU-run since)
-    bash scripts/ncu_bwd_pair.sh 128:16:causal 64:32:causal
-    left=$((${LIMIT:-580} - SECONDS))
-    python scripts/gpu_tier.py --out /tmp/tier46 --archive "$OUT/tier46.tar.gz" --procs 15 \
-        --budget $left -k 192 tests/test_gpu_backward.py | tail -3
-    exit 0
-fi
-
-if [ "$part" = 47 ]; then
-    # session 42: the 192/128 wide tests (its issue loop rewritten in bd5384e, not GPU-run since),
-    # then part 33 (the backward presets, bf16 and fp16, and backward-features)
-    python scripts/gpu_tier.py --out /tmp/tier47 --archive "$OUT/tier47.tar.gz" --procs 15 \
-        --budget "${BUDGET:-150}" -k 192 tests/test_gpu_backward.py | tail -3
-    bash "$0" 33
+    for dims in "--d 128 --heads 16 --causal" "--d 64 --heads 32 --causal" "--d 128 --heads 16"; do
+        timeout 60 python scripts/bwd_profile.py $dims --versions 2 --rounds 6 \
+            --ab exp-early=all exp-early=half exp-early=quarter 2>&1 | grep -v Warning | tee -a "$OUT/ab48.txt"
+    done
+    mkdir -p /tmp/pp
+    printf 'import hopper_fmha.kernels.sm90_bwd_ws as W\nW.LSE_AHEAD_TILE128 = 8\n' > /tmp/pp/lseahead.py
+    PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=lseahead python scripts/gpu_tier.py --out /tmp/tier48 \
+        --archive "$OUT/tier48.tar.gz" --procs 15 --budget "${BUDGET:-200}" -k "64 and not wide and not 256" \
+        tests/test_gpu_backward.py | tail -3
     exit 0
 fi
 

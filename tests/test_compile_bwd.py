@@ -411,15 +411,10 @@ def test_wide_dq_fragments(dims, deterministic):
     assert stack_bytes(cubins[1]) == 0
 
 
-# `sm90_bwd_wide`'s other shapes (v41): d256 at 48 keys (the default until v41, two Q stages) in
-# the orders "vqk" and "kvq", and 192/128 in "kvq": each compiles with no stack, plain and
-# causal-deterministic, a kernel of its own.
+# `sm90_bwd_wide`'s other d256 shape: 48 keys (the default until v41, two Q stages, `bwd_profile
+# --wide-d256 48`) compiles with no stack, plain and causal-deterministic, a kernel of its own.
 @pytest.mark.parametrize("mode", ["plain", "causal-deterministic"])
-@pytest.mark.parametrize(
-    "dims, names",
-    [((256, 256), ("SHAPES_D256_48", "SHAPES_D256_48_KVQ")), ((192, 128), ("SHAPES_D192_96_KVQ",))],
-    ids=["d256", "d192"],
-)
+@pytest.mark.parametrize("dims, names", [((256, 256), ("SHAPES_D256_48",))], ids=["d256"])
 def test_wide_other_shapes_compile(monkeypatch, mode, dims, names):
     from hopper_fmha.kernels import sm90_bwd_wide
 
@@ -753,3 +748,30 @@ def test_dq_unfragment_kernel_compiles(dtype, d, tile, mapped):
         assert text.find(store, loads[0]) > loads[-1]
     res = kernel_resources(cubin)
     assert res["stack_bytes"] == 0 and res["registers"] <= 128
+
+
+def lds_before_first_s_gemm(text: str) -> int:
+    """LDS instructions before the first S^T GEMM (HGMMA 64x128x16, tile_m 128) of a kernel's SASS."""
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if "HGMMA.64x128x16" in line)
+    return sum(bool(re.search(r"\bLDS\b", line)) for line in lines[:first])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_lse_ahead_reads_first_columns_before_the_s_gemm(monkeypatch, causal):
+    # `sm90_bwd_ws.LSE_AHEAD_TILE128` (session 42, off): at d64's tile 128, 8 of a thread's 32 LSE
+    # columns are read before the S^T GEMM's issue (4 LDS.64: two adjacent query columns each) in
+    # place of their reads at the first use, the later columns where used; off, no LDS comes before
+    # that GEMM. No stack either way.
+    from hopper_fmha.kernels import sm90_bwd_ws
+
+    assert sm90_bwd_ws.LSE_AHEAD_TILE128 == 0
+    key = ("bfloat16", 64, causal, False, 2, True, False, False, False, False, False, 128, False, False, True)
+    cubins = []
+    for ahead in (0, 8):
+        monkeypatch.setattr(sm90_bwd_ws, "LSE_AHEAD_TILE128", ahead)
+        cubins.append(bwd_cubin(*key))
+    off, on = (sass_or_skip(c) for c in cubins)
+    assert lds_before_first_s_gemm(off) == 0
+    assert lds_before_first_s_gemm(on) == 4 and on.count("LDS.64") == off.count("LDS.64")
+    assert stack_bytes(cubins[0]) == stack_bytes(cubins[1]) == 0

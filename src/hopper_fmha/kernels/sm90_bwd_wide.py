@@ -76,11 +76,12 @@ class Shape:
 # d256: 64 keys a CTA (FA4's sm90 takes 48): a quarter fewer dQ reduce-adds than 48, which bound
 # it on the H100 (v39's ncu). With 64 KB of dQ staging only one Q stage fits (214.5 KB), so the
 # block's GEMMs run dK^T, dV^T, dQ and give both stages back before dQ is staged (v41, H100: 321 ->
-# 404 TFLOP/s non-causal, 298 -> 375 causal; "kqv" 286 and "vqk" 280 lost). (192, 128): FA4's.
+# 404 TFLOP/s non-causal, 298 -> 375 causal; "kqv" 286 and "vqk" 280 lost). v42 (H100): 48 keys in
+# "kvq" ran 328 against 320 in "vqk", so the tile makes the gain once "kvq" hides its single Q
+# stage. (192, 128): FA4's; "kvq" there lost (438 against 446, v42). Both measured variants are in
+# git at 1c35ee0.
 SHAPES = {(256, 256): Shape(64, 1, "d", q_stages=1, order="kvq"), (192, 128): Shape(96, 2, "keys")}
 SHAPES_D256_48 = {**SHAPES, (256, 256): Shape(48, 1, "d")}  # (the default until v41)
-SHAPES_D256_48_KVQ = {**SHAPES, (256, 256): Shape(48, 1, "d", order="kvq")}  # (two Q stages; unmeasured)
-SHAPES_D192_96_KVQ = {**SHAPES, (192, 128): Shape(96, 2, "keys", order="kvq")}  # (unmeasured)
 
 
 # The 16-bit K-major swizzle atoms by their width in columns.
