@@ -33,6 +33,9 @@
 #      ncu42.md) puts back-to-back MUFU waits and FFMAs waiting for the LSE's LDS among ours'
 #      excess stalls. Then, with LSE_AHEAD_TILE128 = 8, the d64 tests of the backward tier (a pytest
 #      plugin sets it; what a 200 s budget reaches)
+#   49 the rest of tests/test_gpu_backward.py on the final tree (part 31 at a2c18af ran all of it
+#      on the same dense kernels; v42 ran the ids with 256 or 192, 970 of 4144), in three shards
+#      (`gpu_pending.sh 49 0`, `... 49 1`, `... 49 2`, ~200 s each; on several GPUs, all at once)
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
@@ -100,6 +103,23 @@ if [ "$part" = 48 ]; then
     PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=lseahead python scripts/gpu_tier.py --out /tmp/tier48 \
         --archive "$OUT/tier48.tar.gz" --procs 15 --budget "${BUDGET:-200}" -k "64 and not wide and not 256" \
         tests/test_gpu_backward.py | tail -3
+    exit 0
+fi
+
+if [ "$part" = 49 ]; then
+    shift
+    gpus=$(nvidia-smi -L | wc -l)
+    python -m pytest --collect-only -q tests/test_gpu_backward.py 2>/dev/null | grep "::" \
+        | grep -v "256\|192" > /tmp/ids.txt
+    for shard in "${@:-0}"; do
+        awk -v s="$shard" 'NR % 3 == s' /tmp/ids.txt > "/tmp/ids$shard.txt"
+        run="CUDA_VISIBLE_DEVICES=$(( shard % gpus )) HOPPER_FMHA_CACHE_DIR=/tmp/kc$shard python scripts/gpu_tier.py \
+            --out /tmp/tier$shard --archive $OUT/tier$shard.tar.gz --procs 15 --budget 400 --stall 120 --chunked \
+            --ids /tmp/ids$shard.txt > $OUT/tier$shard.log 2>&1"
+        if [ "$gpus" -gt 1 ]; then (eval "$run") & else eval "$run"; fi
+    done
+    wait
+    for shard in "${@:-0}"; do tail -1 "$OUT/tier$shard.log"; grep -h "^FAILED" /tmp/tier$shard/report*.txt | head -10; done
     exit 0
 fi
 
