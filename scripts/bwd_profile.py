@@ -61,17 +61,12 @@ ON_OFF = (
     ("--dq-chains-masked", sm90_bwd, "DQ_CHAINS_MASKED", "deterministic: chains with causal or a window"),
     ("--dq-store-first-masked", sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", "deterministic: first stores, masked"),
     ("--plain-rotate", sm90_bwd, "PLAIN_ROTATE", "not deterministic: the rotated walk (no causal or window)"),
+    ("--copies-in-unfragment", sm90_bwd, "DQ_COPIES_IN_UNFRAGMENT", "deterministic: the kernel sums chains"),
+    ("--zero-by-block", sm90_bwd, "DQ_ZERO_BY_BLOCK", "deterministic: zero only blocks without a turn"),
 )
 PLACES = (
     ("--lse-load", sm90_bwd_ws, "LSE_LOAD", ("before_s", "after_s", "after_dp"), "where d128 reads the LSE"),
     ("--lpt-heads", sm90_bwd_ws, "LPT_HEADS", ("0", "2", "4", "8", "16"), "causal: longest CTAs first"),
-    (
-        "--lse-ahead",
-        sm90_bwd_ws,
-        "LSE_AHEAD_TILE128",
-        ("0", "4", "8", "16"),
-        "tile_m 128 (d64): LSE columns read before the S^T GEMM",
-    ),
     (
         "--exp-early",
         sm90_bwd_ws,

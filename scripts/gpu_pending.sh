@@ -15,7 +15,8 @@
 # bench/results/2026-12-06-h100-v37) in the commit that adds that folder, 31 and 34-36 (sessions 38-39,
 # bench/results/2026-12-06-h100-v38 and -v39) at a2c18af, 40-42 at 0cd2c3a, 43 (session 41,
 # bench/results/2026-12-07-h100-v41) at 1c35ee0, 44 at ad64cb9, 45-47 (session 42,
-# bench/results/2026-12-07-h100-v42) at 8563f37, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
+# bench/results/2026-12-07-h100-v42) at 8563f37, 48 (session 43,
+# bench/results/2026-12-07-h100-v43) in the commit that adds that folder, e.g. `git show ed51f72:scripts/gpu_pending.sh`.
 # Each results README names its files' parts.
 #   33 the backward and backward-features presets (bf16 and fp16; backward-features bf16), meant
 #      for an H200: v36's H200 presets predate v37's switches and v41's d256 tile; ran on an H100 in
@@ -25,22 +26,25 @@
 #      bf16 B4 N4096 H8 d256 forward and backward each of ours, cuDNN (SDPA) and FA4 under ncu,
 #      every kernel's DRAM and L2 bytes, throughputs and time; the H100's is
 #      bench/results/2026-12-06-h100-v39/ncu_l2.txt (~2 min)
-#   48 (session 42, not run: the device budget ran out) two d64 / d128 A/Bs on an H100 (~4 min):
-#      `sm90_bwd_ws.LSE_AHEAD_TILE128` (built session 42, off) 0 / 8 / 16 at d64, plain and causal;
-#      `EXP_EARLY` all / half / quarter at d128 causal (tile 64, "all" its default), d64 causal
-#      (tile 128, "half") and d128 (tile 80, "all"), the defaults v34 chose on an H200. Why: the
-#      ncu of the causal d128 / d64 backward against FA4's (bench/results/2026-12-07-h100-v42/
-#      ncu42.md) puts back-to-back MUFU waits and FFMAs waiting for the LSE's LDS among ours'
-#      excess stalls. Then, with LSE_AHEAD_TILE128 = 8, the d64 tests of the backward tier (a pytest
-#      plugin sets it; what a 200 s budget reaches)
-#   49 the rest of tests/test_gpu_backward.py on the final tree (part 31 at a2c18af ran all of it
-#      on the same dense kernels; v42 ran the ids with 256 or 192, 970 of 4144), in three shards
-#      (`gpu_pending.sh 49 0`, `... 49 1`, `... 49 2`, ~200 s each; on several GPUs, all at once)
+#   49 tests/test_gpu_backward.py but the ids with 256 or 192 (v42 ran those 970), in three shards
+#      (`gpu_pending.sh 49 0`, `... 49 1`, `... 49 2`, ~150-200 s each; on several GPUs, all at
+#      once); session 43 ran them on an H100 (3 x 1058 passed): again after a kernel change
+#   50 (session 43, built, off: no device time was left) deterministic dQ's chain copies summed by
+#      `dq_unfragment` and only the blocks without a turn zeroed (`sm90_bwd.DQ_COPIES_IN_UNFRAGMENT`,
+#      `DQ_ZERO_BY_BLOCK`): the backward's time per kernel with both on (`bwd_breakdown.py`, d256
+#      causal, plain and deterministic), the A/B off / on at d256 causal and not, then, with both on
+#      (a pytest plugin), the tests they touch: unfragment, d256's deterministic, bitwise (~5 min).
+#      If on wins and the tests pass: turn both on, then the backward preset (part 33)
+#   51 (session 43) `EXP_EARLY` "half" at d128's tiles 80 and 64 too: on an H100 (v43) "half" beat
+#      "all" (their default since v34, chosen on an H200) in six d128 cells by 1.2-2.8%. The A/B on
+#      an H200 (d128 bf16 / fp16, causal and not, 8 rounds), then the d128 tests of the backward tier
+#      with `EXP_EARLY_BY_TILE` = "half" at every tile (a pytest plugin; what a 200 s budget reaches).
+#      If it wins on the H200 too and the tests pass: change `EXP_EARLY_BY_TILE`, run the d128 tests
 # The forward's no-regression set is `scripts/sweep_set.sh` (about 30 minutes on one GPU; two calls on four).
 set -x
 OUT=${OUT:-/tmp/pending}
 mkdir -p "$OUT"
-part=${1:-48}
+part=${1:-50}
 
 if [ "$part" = 33 ]; then
     python -m hopper_fmha bench --preset backward --dtype bfloat16 float16 --out "$OUT/bench" > "$OUT/bench33.log" 2>&1
@@ -89,20 +93,35 @@ PY
     exit 0
 fi
 
-if [ "$part" = 48 ]; then
-    for c in "" --causal; do
-        timeout 60 python scripts/bwd_profile.py --d 64 --heads 32 --versions 2 $c --rounds 8 \
-            --ab lse-ahead=0 lse-ahead=8 lse-ahead=16 2>&1 | grep -v Warning | tee -a "$OUT/ab48.txt"
-    done
-    for dims in "--d 128 --heads 16 --causal" "--d 64 --heads 32 --causal" "--d 128 --heads 16"; do
-        timeout 60 python scripts/bwd_profile.py $dims --versions 2 --rounds 6 \
-            --ab exp-early=all exp-early=half exp-early=quarter 2>&1 | grep -v Warning | tee -a "$OUT/ab48.txt"
+if [ "$part" = 51 ]; then
+    for dims in "--d 128 --heads 16" "--d 128 --heads 16 --causal" "--d 128 --heads 16 --dtype float16" \
+        "--d 128 --heads 16 --causal --dtype float16"; do
+        timeout 60 python scripts/bwd_profile.py $dims --versions 2 --rounds 8 \
+            --ab exp-early=all exp-early=half 2>&1 | grep -v Warning | tee -a "$OUT/ab51.txt"
     done
     mkdir -p /tmp/pp
-    printf 'import hopper_fmha.kernels.sm90_bwd_ws as W\nW.LSE_AHEAD_TILE128 = 8\n' > /tmp/pp/lseahead.py
-    PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=lseahead python scripts/gpu_tier.py --out /tmp/tier48 \
-        --archive "$OUT/tier48.tar.gz" --procs 15 --budget "${BUDGET:-200}" -k "64 and not wide and not 256" \
+    printf 'import hopper_fmha.kernels.sm90_bwd_ws as W\nW.EXP_EARLY_BY_TILE = {128: "half", 80: "half", 64: "half"}\n' \
+        > /tmp/pp/half51.py
+    PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=half51 python scripts/gpu_tier.py --out /tmp/tier51 \
+        --archive "$OUT/tier51.tar.gz" --procs 15 --budget "${BUDGET:-200}" -k "128 and not wide and not 256" \
         tests/test_gpu_backward.py | tail -3
+    exit 0
+fi
+
+if [ "$part" = 50 ]; then
+    both="DQ_COPIES_IN_UNFRAGMENT DQ_ZERO_BY_BLOCK"
+    python scripts/bwd_breakdown.py --d 256 --heads 8 --causal --on $both 2>&1 | grep -v Warn | tee -a "$OUT/breakdown50.txt"
+    for c in --causal ""; do
+        timeout 90 python scripts/bwd_profile.py --d 256 --heads 8 $c --deterministic --versions 2 --rounds 8 \
+            --ab copies-in-unfragment=off,zero-by-block=off copies-in-unfragment=on,zero-by-block=on \
+            2>&1 | grep -v Warning | tee -a "$OUT/ab50.txt"
+    done
+    mkdir -p /tmp/pp
+    printf 'import hopper_fmha.kernels.sm90_bwd as B\nB.DQ_COPIES_IN_UNFRAGMENT = B.DQ_ZERO_BY_BLOCK = True\n' > /tmp/pp/fused50.py
+    k="unfragment or (d256 and (wide_dq_fragments or dq_laps or writer_layout or rotated_walk)) or bitwise or store_first"
+    PYTHONPATH=/tmp/pp:$PYTHONPATH PYTEST_PLUGINS=fused50 python scripts/gpu_tier.py --out /tmp/tier50 \
+        --archive "$OUT/tier50.tar.gz" --procs 15 --budget "${BUDGET:-170}" -k "$k" tests/test_gpu_backward.py | tail -3
+    grep -h "^FAILED" /tmp/tier50/report*.txt | head -10
     exit 0
 fi
 

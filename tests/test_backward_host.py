@@ -465,20 +465,24 @@ def test_dq_store_first(kernels, monkeypatch, nan_empty, chains, sk, fragments):
         (170, 170, True, (60, 0), 1),  # causal and a left limit
     ],
 )
+@pytest.mark.parametrize("by_block", [False, True], ids=["whole-copies", "by-block"])
 def test_dq_store_first_masked(
-    kernels, monkeypatch, nan_empty, chains, fragments, sq, sk, causal, window, fewest
+    kernels, monkeypatch, nan_empty, chains, fragments, sq, sk, causal, window, fewest, by_block
 ):
     # `sm90_bwd_ws.DQ_STORE_FIRST_MASKED`: with causal or a window the kernel stores a block's
     # first turn (of each copy) where the block's rows see one of the copy's key blocks; the host
     # leaves dQacc unzeroed only where every block gets as many turns as copies
-    # (`sm90_bwd.fewest_turns`), zeroes the copies past the fewest otherwise, all of it where some
-    # block gets none. torch.empty gives NaN here; the stand-in stores per block as the kernel.
-    # With `fewest_turns` overstated, the unwritten blocks show: the check can fail.
+    # (`sm90_bwd.block_turns`), zeroes copy c of the blocks with c turns or fewer otherwise
+    # (session 43, `DQ_ZERO_BY_BLOCK`: only those blocks; else the whole copy), all of it where
+    # some block gets none.
+    # torch.empty gives NaN here; the stand-in stores per block as the kernel. With `block_turns`
+    # overstated, the unwritten blocks show: the check can fail.
     monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST", True)
     monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", True)
     monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(128, 128): chains})
     monkeypatch.setattr(sm90_bwd, "DQ_CHAINS_MASKED", True)
     monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", fragments)
+    monkeypatch.setattr(sm90_bwd, "DQ_ZERO_BY_BLOCK", by_block)
     q, k, v, out, dout, lse = inputs(sq=sq, sk=sk, kv_heads=2, d=128)
     scale = 128**-0.5
     out, lse = reference(q, k, v, scale, causal, window_size=window)
@@ -487,13 +491,23 @@ def test_dq_store_first_masked(
     o, _ = reference(*leaves, scale, causal, window_size=window, dtype=torch.float64)
     expected = torch.autograd.grad(o, leaves, dout.double())
     call = dict(deterministic=True, window_size=window)
+    zeroed = []
+    zero_blocks = sm90_bwd.zero_blocks
+    monkeypatch.setattr(
+        sm90_bwd, "zero_blocks", lambda copy, which: zeroed.append(list(which)) or zero_blocks(copy, which)
+    )
     grads = sm90_bwd.backward(q, k, v, out, dout, lse, scale, causal, **call)
     for ours, ref in zip(grads, expected, strict=True):
         torch.testing.assert_close(ours.double(), ref, rtol=2e-2, atol=2e-2)
     right = 0 if causal else window[1]
     assert sm90_bwd.fewest_turns(sq, sk, 64, 128, window[0], right) == fewest  # (d128's tile 64)
+    turns = sm90_bwd.block_turns(sq, sk, 64, 128, window[0], right)
+    # copy c of the blocks with c turns or fewer, each copy past the fewest (none with no turn at all)
+    expected_zeroed = [[t <= c or not by_block for t in turns] for c in range(fewest, chains)]
+    assert zeroed == (expected_zeroed if fewest else [])
     if fewest < chains:  # overstated: some block's copy is left as torch.empty left it
-        monkeypatch.setattr(sm90_bwd, "fewest_turns", lambda *args: chains)
+        more = sm90_bwd.block_turns
+        monkeypatch.setattr(sm90_bwd, "block_turns", lambda *args: more(*args) + chains)
         grads = sm90_bwd.backward(q, k, v, out, dout, lse, scale, causal, **call)
         assert grads[0].isnan().any()
 
@@ -509,7 +523,20 @@ def test_fewest_turns():
         left, right = (int(x) - 1 if x < 300 else -1 for x in torch.randint(0, 400, (2,), generator=g))
         case = (sq, sk, tile_m, tile_n, left, right)
         turns = [len(dq_order(m, tile_m, tile_n, sq, sk, left, right)) for m in range(-(-sq // tile_m))]
+        assert sm90_bwd.block_turns(*case).tolist() == turns, case
         assert sm90_bwd.fewest_turns(*case) == min(turns, default=0), case
+
+
+def test_zero_blocks():
+    # `sm90_bwd.zero_blocks`: the blocks (dim -2) where `which` holds, and nothing else, runs
+    # of them included; one slice per run.
+    for which in ([True, False, False, True, True, False, True], [False] * 3, [True] * 4, [False, True]):
+        copy = torch.ones(2, 3, len(which), 5)
+        sm90_bwd.zero_blocks(copy, which)
+        assert torch.equal(
+            copy[:, :, torch.tensor(which, dtype=torch.bool)], torch.zeros_like(copy[:, :, which])
+        )
+        assert (copy[:, :, [not w for w in which]] == 1).all()
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked-only", "chains-masked"])
@@ -1450,11 +1477,11 @@ def test_varlen_dq_fragments_kernel_host(varlen_kernels, monkeypatch, d, causal,
 
     calls = []
 
-    def compile_dq_unfragment(dtype_name, head_dim, tile_m, mapped):
+    def compile_dq_unfragment(dtype_name, head_dim, tile_m, mapped, copies):
         fake = dq_unfragment.fake_arguments(dtype_name, head_dim, mapped)
 
         def run(acc, dq, scale, rows_map):
-            assert mapped and dq.shape[0] == 1
+            assert mapped and dq.shape[0] == 1 and copies == 1
             assert_binds((fake[0], fake[1], fake[3]), (acc, dq, rows_map), "dq_unfragment")
             calls.append((tile_m, scale))
             full = unfragment_by_map(acc, 1, dq.shape[2], tile_m, head_dim)[0]
@@ -1549,26 +1576,35 @@ def test_varlen_dq_gather_kernel(varlen_kernels, monkeypatch, unscaled):
 
 @pytest.mark.parametrize("unscaled", [False, True], ids=["scaled", "unscaled"])
 @pytest.mark.parametrize(
-    "d, causal, tile", [(64, False, T64), (128, True, 64), (64, True, T64), (128, False, 80)]
+    "d, causal, tile, chains",
+    [(64, False, T64, 1), (128, True, 64, 1), (64, True, T64, 1), (128, False, 80, 1), (128, True, 64, 3)],
 )
-def test_dq_unfragment_kernel_host(kernels, monkeypatch, d, causal, tile, unscaled):
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["torch-sum", "kernel-sum"])
+def test_dq_unfragment_kernel_host(kernels, monkeypatch, d, causal, tile, chains, unscaled, in_kernel):
     """`DQ_UNFRAGMENT_KERNEL`: with fragments on, dq from `dq_unfragment`'s kernel (here a torch
     stand-in behind its binding's checks that places each unit by `unit_place`, the kernel's map)
-    equals torch's un-permute bit for bit; tails included (sq 9 of a 64- or 128-row block)."""
+    equals torch's un-permute bit for bit; tails included (sq 9 of a 64- or 128-row block).
+    Deterministic `DQ_CHAINS` copies (session 43, `DQ_COPIES_IN_UNFRAGMENT`): the kernel adds
+    them, in order (copy 0 + copy 1 + ...), in place of torch's sum before it (`sum_copies`): the
+    same bits."""
     from hopper_fmha.kernels import dq_unfragment
 
     calls = []
 
-    def compile_dq_unfragment(dtype_name, head_dim, tile_m, mapped):
+    def compile_dq_unfragment(dtype_name, head_dim, tile_m, mapped, copies):
         assert not mapped
         fake = dq_unfragment.fake_arguments(dtype_name, head_dim)
 
         def run(acc, dq, scale, rows_map):
             assert_binds(fake[:2], (acc, dq), "dq_unfragment")
             assert rows_map is None
-            calls.append((tile_m, scale))
+            calls.append((tile_m, scale, copies))
             b, sq, h, _ = dq.shape
-            full = unfragment_by_map(acc, b, h, tile_m, head_dim)
+            parts = acc.view(b, h, copies, -1).unbind(2)
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            full = unfragment_by_map(total.reshape(-1), b, h, tile_m, head_dim)
             dq.copy_((full[:, :sq] * scale).to(dq.dtype))
 
         return run
@@ -1577,14 +1613,18 @@ def test_dq_unfragment_kernel_host(kernels, monkeypatch, d, causal, tile, unscal
     monkeypatch.setattr(dq_unfragment, "compile_dq_unfragment", compile_dq_unfragment)
     monkeypatch.setattr(sm90_bwd, "DQ_FRAGMENTS", True)
     monkeypatch.setattr(sm90_bwd, "DQ_SCALE_AT_CAST", unscaled)
-    q, k, v, out, dout, lse = inputs(d=d)
+    monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(d, d): chains})
+    monkeypatch.setattr(sm90_bwd, "DQ_CHAINS_MASKED", True)
+    monkeypatch.setattr(sm90_bwd, "DQ_COPIES_IN_UNFRAGMENT", in_kernel)
+    q, k, v, out, dout, lse = inputs(sq=300, sk=300, d=d) if chains > 1 else inputs(d=d)
     args = (q, k, v, out, dout, lse, d**-0.5, causal)
     assert sm90_bwd.query_tile(2, d, masked=causal) == tile
-    before = sm90_bwd.backward(*args, version=2)
+    det = chains > 1  # (chains: deterministic mode's)
+    before = sm90_bwd.backward(*args, version=2, deterministic=det)
     assert not calls
     monkeypatch.setattr(sm90_bwd, "DQ_UNFRAGMENT_KERNEL", True)
-    after = sm90_bwd.backward(*args, version=2)
-    assert calls == [(tile, d**-0.5 if unscaled else 1.0)]
+    after = sm90_bwd.backward(*args, version=2, deterministic=det)
+    assert calls == [(tile, d**-0.5 if unscaled else 1.0, chains if in_kernel else 1)]
     for a, b in zip(before, after, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
 

@@ -729,54 +729,39 @@ def test_exp_early_moves_exponentials_after_the_dp_wait(monkeypatch, early):
 
 
 @pytest.mark.parametrize(
-    "dtype, d, tile",
-    [("bfloat16", 64, 128), ("float16", 128, 64), ("bfloat16", 64, 64), ("float16", 128, 80)],
-)
+    "dtype, d, tile, copies",
+    [
+        ("bfloat16", 64, 128, 1), ("float16", 128, 64, 1), ("bfloat16", 64, 64, 1), ("float16", 128, 80, 1),
+        ("bfloat16", 256, 64, 2), ("float16", 128, 64, 3),
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("mapped", [False, True], ids=["dense", "mapped"])
-def test_dq_unfragment_kernel_compiles(dtype, d, tile, mapped):
+def test_dq_unfragment_kernel_compiles(dtype, d, tile, copies, mapped):
     # `dq_unfragment` (`sm90_bwd.DQ_UNFRAGMENT_KERNEL`): each thread's loads first (in batches of
-    # up to 16), one 16-byte load per 512-float chunk of the block (tile * d / 512 of them), then
-    # two 4-byte stores per chunk (tile 80, transposed: four 2-byte stores); no stack, few
-    # registers.
+    # up to 16 // copies chunks), one 16-byte load per 512-float chunk of the block (tile * d / 512
+    # of them) and copy (`DQ_CHAINS`' copies, summed), then two 4-byte stores per chunk (tile 80,
+    # transposed: four 2-byte stores); no stack, few registers. Copies are the dense backward's
+    # only (mapped: the varlen one's, which has no chains).
     from hopper_fmha.kernels.dq_unfragment import compile_dq_unfragment, load_batch
 
-    cubin = cubin_of(compile_dq_unfragment, dtype, d, tile, mapped)
+    if mapped and copies > 1:
+        with pytest.raises(AssertionError):
+            compile_dq_unfragment(dtype, d, tile, mapped, copies)
+        return
+    cubin = cubin_of(compile_dq_unfragment, dtype, d, tile, mapped, copies)
     text = sass_or_skip(cubin)
     chunks = tile * d // 512
     store = "STG.E.U16 " if tile == 80 else "STG.E "
-    assert text.count("LDG.E.128") == chunks and text.count(store) == (4 if tile == 80 else 2) * chunks
+    assert text.count("LDG.E.128") == chunks * copies
+    assert text.count(store) == (4 if tile == 80 else 2) * chunks
+    assert text.count("FADD") >= chunks * 4 * (copies - 1)  # (each value's adds of the copies)
     # mapped (`unfragment_dq_rows`, the varlen backward): each row's destination, a 4-byte load
     assert ("LDG.E " in text) == mapped
-    batch = load_batch(chunks)
+    batch = load_batch(chunks, copies)
+    assert batch * copies <= 16
     for first in range(0, chunks, batch):  # each batch's loads before its first store
-        loads = [i for i in range(len(text)) if text.startswith("LDG.E.128", i)][first : first + batch]
+        span = slice(first * copies, (first + batch) * copies)
+        loads = [i for i in range(len(text)) if text.startswith("LDG.E.128", i)][span]
         assert text.find(store, loads[0]) > loads[-1]
     res = kernel_resources(cubin)
     assert res["stack_bytes"] == 0 and res["registers"] <= 128
-
-
-def lds_before_first_s_gemm(text: str) -> int:
-    """LDS instructions before the first S^T GEMM (HGMMA 64x128x16, tile_m 128) of a kernel's SASS."""
-    lines = text.splitlines()
-    first = next(i for i, line in enumerate(lines) if "HGMMA.64x128x16" in line)
-    return sum(bool(re.search(r"\bLDS\b", line)) for line in lines[:first])
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
-def test_lse_ahead_reads_first_columns_before_the_s_gemm(monkeypatch, causal):
-    # `sm90_bwd_ws.LSE_AHEAD_TILE128` (session 42, off): at d64's tile 128, 8 of a thread's 32 LSE
-    # columns are read before the S^T GEMM's issue (4 LDS.64: two adjacent query columns each) in
-    # place of their reads at the first use, the later columns where used; off, no LDS comes before
-    # that GEMM. No stack either way.
-    from hopper_fmha.kernels import sm90_bwd_ws
-
-    assert sm90_bwd_ws.LSE_AHEAD_TILE128 == 0
-    key = d64_tile128_key(causal)
-    cubins = []
-    for ahead in (0, 8):
-        monkeypatch.setattr(sm90_bwd_ws, "LSE_AHEAD_TILE128", ahead)
-        cubins.append(bwd_cubin(*key))
-    off, on = (sass_or_skip(c) for c in cubins)
-    assert lds_before_first_s_gemm(off) == 0
-    assert lds_before_first_s_gemm(on) == 4 and on.count("LDS.64") == off.count("LDS.64")
-    assert stack_bytes(cubins[0]) == stack_bytes(cubins[1]) == 0

@@ -471,6 +471,27 @@ def test_dq_unfragment_kernel_matches_torch(hopper_gpu, monkeypatch, dtype, tile
         assert torch.equal(ours, ref)
 
 
+@pytest.mark.parametrize("seqlen", [1, 300, 1024])
+@pytest.mark.parametrize("tile_m, d, copies", [(64, 256, 2), (64, 128, 3), (128, 64, 2)])
+def test_dq_unfragment_kernel_sums_copies(hopper_gpu, monkeypatch, tile_m, d, copies, seqlen):
+    # Deterministic dQ's chain copies (`sm90_bwd.DQ_CHAINS`) summed by `dq_unfragment`'s kernel
+    # (session 43) against torch's `sum_copies` (copy 0 + copy 1 + ..., fp32) and its permuted
+    # pass: bit for bit, the copies' order included.
+    from hopper_fmha.kernels import sm90_bwd
+    from hopper_fmha.kernels.dq_unfragment import unfragment_dq
+
+    monkeypatch.setattr(sm90_bwd, "DQ_UNFRAGMENT_KERNEL", False)  # (torch's passes as the reference)
+    blocks = -(-seqlen // tile_m)
+    g = torch.Generator(device="cuda").manual_seed(seqlen + d + copies)
+    buf = torch.randn(2, 3, copies * blocks * tile_m, d, device="cuda", generator=g)
+    buf[:, :, : blocks * tile_m] *= 1e8  # (copy 0 large: another order would round differently)
+    for dtype, scale in ((torch.bfloat16, None), (torch.float16, 1e-8)):
+        ours = unfragment_dq(buf, seqlen, dtype, scale, tile_m, copies)
+        ref = sm90_bwd.dq_from_fragments(buf, seqlen, dtype, scale, tile_m, copies)
+        assert ours.shape == ref.shape == (2, seqlen, 3, d) and ours.is_contiguous()
+        assert torch.equal(ours, ref)
+
+
 @pytest.mark.parametrize("seqlens", [(3, 3), (239, 1), (1023, 1024)], ids=["3x3", "239x1", "1023x1024"])
 @pytest.mark.parametrize("tile", ["d128-causal-tile64", "d64-tile128", "d128-tile80"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -93,24 +93,32 @@ def unit_place(u: int, tile_m: int, head_dim: int) -> tuple[int, int, int]:
     return flat, row + grow, col + gcol
 
 
-def load_batch(chunks: int) -> int:
-    """Chunks loaded before their stores: the most, up to 16 (64 registers), that divide `chunks`."""
-    return max(n for n in range(1, 17) if chunks % n == 0)
+def load_batch(chunks: int, copies: int = 1) -> int:
+    """Chunks loaded before their stores: the most, up to 16 // copies (64 registers of loaded
+    values), that divide `chunks`."""
+    return max(n for n in range(1, 16 // copies + 1) if chunks % n == 0)
 
 
 class DqUnfragmentSm90:
     """dq (b, s, h, d) dtype <- the fragment-ordered acc (flat float32), times scale. A CTA of 128
     threads per (batch, head, block), one 512-float chunk per step: thread t reads floats
     4 t .. 4 t + 3 of each chunk (a warp: 512 contiguous bytes) and writes them as two pairs
-    (tile 80: four single values)."""
+    (tile 80: four single values). copies > 1 (deterministic dQ's chains, `sm90_bwd.DQ_CHAINS`):
+    the accumulator holds, per (batch, head), that many copies of its blocks one after another,
+    and a thread adds its values of copy 0, 1, ... in that order (fp32, the order
+    `sm90_bwd.sum_copies` adds in) before the scale and the cast."""
 
-    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int, mapped: bool = False):
+    def __init__(
+        self, dtype: type[cutlass.Numeric], head_dim: int, tile_m: int, mapped: bool = False, copies: int = 1
+    ):
         assert supports(tile_m, head_dim), (tile_m, head_dim)
+        assert copies >= 1 and not (mapped and copies > 1)
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.chunks = tile_m * head_dim // (4 * THREADS)
         self.mapped = mapped
+        self.copies = copies
 
     @cute.jit
     def __call__(
@@ -122,7 +130,7 @@ class DqUnfragmentSm90:
         contiguous. `mapped` (the varlen backward's padded rows): batch 1, and row s of the
         accumulator's (blocks * tile_m) goes to dq row mRows[s] (int32; negative: nowhere)."""
         self.kernel(mAcc, mDq, scale, mRows).launch(
-            grid=[mAcc.shape[0] // (self.tile_m * self.head_dim), 1, 1],
+            grid=[mAcc.shape[0] // (self.tile_m * self.head_dim * self.copies), 1, 1],
             block=[THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -140,21 +148,38 @@ class DqUnfragmentSm90:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         batch, seqlen, heads, _ = mDq.shape
-        blocks = mAcc.shape[0] // (self.tile_m * self.head_dim) // (batch * heads)
+        copies = self.copies
+        blocks = mAcc.shape[0] // (self.tile_m * self.head_dim) // (batch * heads * copies)
         bh, m = bidx // blocks, bidx % blocks
         b, h = bh // heads, bh % heads
         grow, gcol = thread_place(tidx, self.tile_m)
-        gBlock = cute.local_tile(mAcc, (self.tile_m * self.head_dim,), (Int64(bidx),))
-        # All of the thread's loads first, in batches of up to 16 chunks (64 registers), then the
-        # stores: ptxas keeps a load after any store to the same (for it, possibly aliased) memory.
-        batch_chunks = load_batch(self.chunks)
+        size = self.tile_m * self.head_dim
+        if const_expr(copies == 1):
+            gCopies = [cute.local_tile(mAcc, (size,), (Int64(bidx),))]
+        else:  # copy k of block m: block (bh copies + k) blocks + m of the flat accumulator
+            gCopies = [
+                cute.local_tile(mAcc, (size,), (Int64(bh * copies + k) * blocks + m,)) for k in range(copies)
+            ]
+        # All of the thread's loads first, in batches of up to 16 chunks (64 registers) over the
+        # copies, then the stores: ptxas keeps a load after any store to the same (for it, possibly
+        # aliased) memory.
+        batch_chunks = load_batch(self.chunks, copies)
         acc = cute.make_rmem_tensor(cute.make_layout((batch_chunks, 4), stride=(4, 1)), Float32)
+        more = cute.make_rmem_tensor(
+            cute.make_layout((batch_chunks, max(copies - 1, 1), 4), stride=(4 * max(copies - 1, 1), 4, 1)),
+            Float32,
+        )
         pair = cute.make_rmem_tensor((2,), self.dtype)
         for first in cutlass.range_constexpr(0, self.chunks, batch_chunks):
             for c in cutlass.range_constexpr(batch_chunks):
-                cute.autovec_copy(
-                    cute.local_tile(gBlock, (4,), ((first + c) * THREADS + tidx,)), acc[c, None]
-                )
+                unit = (first + c) * THREADS + tidx
+                cute.autovec_copy(cute.local_tile(gCopies[0], (4,), (unit,)), acc[c, None])
+                for k in cutlass.range_constexpr(1, copies):
+                    cute.autovec_copy(cute.local_tile(gCopies[k], (4,), (unit,)), more[c, k - 1, None])
+            for k in cutlass.range_constexpr(1, copies):  # (copy 0 + copy 1) + copy 2 ...
+                for c in cutlass.range_constexpr(batch_chunks):
+                    for i in cutlass.range_constexpr(4):
+                        acc[c, i] = acc[c, i] + more[c, k - 1, i]
             # The stores by row: a row's address and bound once for all of its chunks.
             places = [chunk_place(first + c, self.tile_m, self.head_dim) for c in range(batch_chunks)]
             for row0 in sorted({row for row, _ in places}):
@@ -206,19 +231,19 @@ def fake_arguments(dtype_name: str, head_dim: int, mapped: bool = False):
 
 
 def compile_dq_unfragment(
-    dtype_name: str, head_dim: int, tile_m: int, mapped: bool = False, *, options: str = ""
+    dtype_name: str, head_dim: int, tile_m: int, mapped: bool = False, copies: int = 1, *, options: str = ""
 ):
     """Compile for sm_90a with TVM-FFI; no GPU needed (`options`: e.g. "--keep-cubin --dump-dir=DIR")."""
-    kernel = DqUnfragmentSm90(_DTYPES[dtype_name], head_dim, tile_m, mapped)
+    kernel = DqUnfragmentSm90(_DTYPES[dtype_name], head_dim, tile_m, mapped, copies)
     opts = " ".join(o for o in ("--enable-tvm-ffi", options) if o)
     return cute.compile(kernel, *fake_arguments(dtype_name, head_dim, mapped), options=opts)
 
 
-_compiled: dict[tuple[str, int, int, bool], Any] = {}
+_compiled: dict[tuple[str, int, int, bool, int], Any] = {}
 
 
-def _kernel(dtype, head_dim: int, tile_m: int, mapped: bool):
-    key = (str(dtype).removeprefix("torch."), head_dim, tile_m, mapped)
+def _kernel(dtype, head_dim: int, tile_m: int, mapped: bool, copies: int = 1):
+    key = (str(dtype).removeprefix("torch."), head_dim, tile_m, mapped, copies)
     fn = _compiled.get(key)
     if fn is None:
         modules = (sys.modules[__name__],)
@@ -228,18 +253,20 @@ def _kernel(dtype, head_dim: int, tile_m: int, mapped: bool):
     return fn
 
 
-def unfragment_dq(buf, seqlen_q: int, dtype, scale: float | None, tile_m: int):
+def unfragment_dq(buf, seqlen_q: int, dtype, scale: float | None, tile_m: int, copies: int = 1):
     """dQ (b, seqlen_q, h, d) in `dtype`, contiguous, from the fragment-ordered fp32 `buf`
-    (b, h, blocks * tile_m, d), contiguous, times scale (None: 1), on the current stream: as
-    `sm90_bwd.dq_from_fragments`, by this module's kernel."""
+    (b, h, copies * blocks * tile_m, d), contiguous, times scale (None: 1), on the current stream:
+    as `sm90_bwd.dq_from_fragments`, by this module's kernel (copies > 1: of the copies' sum)."""
     import torch
 
     b, h, rows, d = buf.shape
+    assert rows % copies == 0
+    rows //= copies
     assert buf.is_contiguous() and rows % tile_m == 0 and rows - tile_m < seqlen_q <= rows
     dq = torch.empty(b, seqlen_q, h, d, device=buf.device, dtype=dtype)
     if dq.numel() == 0:
         return dq
-    fn = _kernel(dtype, d, tile_m, False)
+    fn = _kernel(dtype, d, tile_m, False, copies)
     fn(buf.view(-1), dq, 1.0 if scale is None else float(scale), None)
     return dq
 

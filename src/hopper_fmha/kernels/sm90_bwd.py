@@ -726,20 +726,25 @@ def fragment_dims(tile_m: int, head_dim: int):
 DQ_UNFRAGMENT_KERNEL = True
 
 
-def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: int):
+def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: int, copies: int = 1):
     """dQ (b, s_q, h, d) in `dtype`, contiguous, from the fragment-ordered fp32 dQacc `buf`
-    (b, h, blocks * tile_m, d) (`fragment_dims`), times `scale` where given: one elementwise pass
-    (fp32 math, one rounding) from a permuted view of `buf` into dQ's whole blocks, and the last,
-    partial block through a one-block buffer."""
+    (b, h, copies * blocks * tile_m, d) (`fragment_dims`; copies > 1: `DQ_CHAINS`' copies, one
+    after another, summed in order), times `scale` where given: one elementwise pass (fp32 math,
+    one rounding) from a permuted view of `buf` into dQ's whole blocks, and the last, partial
+    block through a one-block buffer; or `dq_unfragment`'s kernel, which adds the copies too."""
     import torch
 
     b, h, rows, d = buf.shape
-    assert rows % tile_m == 0 and rows - tile_m < seqlen_q <= rows
+    assert rows % copies == 0
     if DQ_UNFRAGMENT_KERNEL and buf.is_contiguous():
         from .dq_unfragment import supports, unfragment_dq
 
         if supports(tile_m, d):
-            return unfragment_dq(buf, seqlen_q, dtype, scale, tile_m)
+            return unfragment_dq(buf, seqlen_q, dtype, scale, tile_m, copies)
+    if copies > 1:  # the copies' sum, in their order
+        buf = sum_copies(buf.view(b, h, copies, rows // copies, d).unbind(2))
+        rows //= copies
+    assert rows % tile_m == 0 and rows - tile_m < seqlen_q <= rows
     j, query_dims, d_dims, perm = fragment_dims(tile_m, d)
     src = buf.view(b, h, rows // tile_m, 2, j, 4, 8, 4, 2, 2).permute(*perm)
 
@@ -755,6 +760,22 @@ def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: in
         write(last.view(b, 1, *query_dims, h, *d_dims), src[:, full:])
         dq[:, full * tile_m :] = last[:, : seqlen_q - full * tile_m]
     return dq
+
+
+# Deterministic dQ's chain copies (`DQ_CHAINS`: d256) in fragment order summed by `dq_unfragment`'s
+# kernel as it puts dQ in order (copy 0 + copy 1 in fp32, then the scale and the cast: the bits of
+# `sum_copies` then the kernel), and (DQ_ZERO_BY_BLOCK) with first-turn stores the host zeroing copy
+# c only in the query blocks with c turns or fewer (`block_turns`), not the whole copy. Why (session
+# 43, `scripts/bwd_breakdown.py`, H100, B4 N4096 H8 bf16 d256 causal, us per backward): plain 1801,
+# deterministic 2156, of which 149 torch's strided sum of the two copies and 80 its zero fill of
+# copy 1 (`fewest_turns` 1: query block 0 sees one key block, the others 2 or more); the main
+# kernels under ncu 1.80 / 1.63 ms (90.6%), so ~10 of the preset's 82% are these host passes.
+# Predicted 2156 -> ~1970 us, deterministic d256 causal 82% -> ~91% of plain (non-causal: the sum
+# only). Built session 43, CPU only (host tests with torch stand-ins; SASS: 2 x 16 LDG.128 per
+# thread at d256, no stack, 82 registers; copies = 1 unchanged): off until `gpu_pending.sh 50`
+# has A/B'd and tested it. Read at each call.
+DQ_COPIES_IN_UNFRAGMENT = False
+DQ_ZERO_BY_BLOCK = False
 
 
 def sum_copies(copies):
@@ -897,31 +918,39 @@ def keys_per_cta(head_dim: int, head_dim_v: int) -> int:
     return SHAPES[head_dim, head_dim_v].tile_n
 
 
-def fewest_turns(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, left: int, right: int) -> int:
-    """The fewest key blocks of tile_n keys that any query block of tile_m rows visits (the
-    forward's rule, `Mask.block_range_local`, with `emulate.block_range`'s sides: -1 no limit,
-    causal right = 0): every block of dQacc gets at least this many deterministic turns. 0 when
-    some block's rows see no key, or there are no keys (no kernel runs) or no query blocks."""
+def block_turns(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, left: int, right: int):
+    """How many key blocks of tile_n keys each query block of tile_m rows visits (the forward's
+    rule, `Mask.block_range_local`, with `emulate.block_range`'s sides: -1 no limit, causal
+    right = 0): its deterministic turns. An int64 array, one entry per query block, none of them
+    below 0 (0: the block's rows see no key; all 0 without keys)."""
     blocks, num_n = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
-    if blocks == 0 or num_n == 0:
-        return 0
-    offset = seqlen_k - seqlen_q
+    first = np.arange(blocks, dtype=np.int64) * tile_m + seqlen_k - seqlen_q  # (first rows' diagonals)
+    n_max = num_n if right < 0 else np.minimum(num_n, -(-np.maximum(first + tile_m + right, 0) // tile_n))
+    n_min = 0 if left < 0 else np.maximum(first - left, 0) // tile_n
+    return np.maximum(n_max - n_min, 0) + np.zeros(blocks, dtype=np.int64)
 
-    def seen(m):  # query block m's key blocks: [n_min, n_max), m an int or an array
-        first = m * tile_m + offset  # (the block's first row's diagonal)
-        n_max = num_n if right < 0 else np.minimum(num_n, -(-np.maximum(first + tile_m + right, 0) // tile_n))
-        n_min = 0 if left < 0 else np.maximum(first - left, 0) // tile_n
-        return n_max - n_min
 
-    # n_min and n_max never fall as m grows: without a left limit (n_min 0) block 0 sees the
-    # fewest, without a right one (n_max all) the last block; with both, any block may.
-    if left < 0:
-        fewest = seen(0)
-    elif right < 0:
-        fewest = seen(blocks - 1)
-    else:
-        fewest = seen(np.arange(blocks, dtype=np.int64)).min()
-    return int(max(fewest, 0))
+def fewest_turns(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, left: int, right: int) -> int:
+    """The fewest key blocks that any query block visits (`block_turns`): every block of dQacc
+    gets at least this many deterministic turns. 0 when some block's rows see no key, or there
+    are no keys (no kernel runs) or no query blocks."""
+    turns = block_turns(seqlen_q, seqlen_k, tile_m, tile_n, left, right)
+    return int(turns.min()) if turns.size else 0
+
+
+def zero_blocks(copy, which) -> None:
+    """Zero the blocks of one dQacc copy (`copy`: (..., blocks, block's floats)) where `which` (a
+    bool array, one per block) holds: one slice per run of such blocks (causal: the first few)."""
+    m, blocks = 0, len(which)
+    while m < blocks:
+        if not which[m]:
+            m += 1
+            continue
+        end = m + 1
+        while end < blocks and which[end]:
+            end += 1
+        copy[..., m:end, :].zero_()
+        m = end
 
 
 # The SM count `rotates` assumes for tensors off the GPU (the host tests' stand-in kernels).
@@ -1137,19 +1166,24 @@ def backward(
         rows = seqlen_q if chains == 1 else chains * blocks * tile_m
         dq_acc = alloc_acc(batch, rows, heads, d, device=q.device, dtype=torch.float32)
     if stored:
-        if masked:  # (each query block's turns: the key blocks its rows see)
-            sides = (left, 0 if causal else right)
-            turns = fewest_turns(seqlen_q, seqlen_k, tile_m, keys_per_cta(d, d_v), *sides)
-        else:
-            turns = -(-seqlen_k // keys_per_cta(d, d_v)) if seqlen_q > 0 else 0  # per query block
-        reached = sm90_bwd_ws.laps_reached(turns, chains) if laps else turns  # (copies with a turn)
+        # Each query block's turns: the key blocks its rows see (masked), else all of them.
+        sides = (left, 0 if causal else right) if masked else (-1, -1)
+        per_block = block_turns(seqlen_q, seqlen_k, tile_m, keys_per_cta(d, d_v), *sides)
+        turns = int(per_block.min()) if per_block.size else 0
+        # (the copies that every block's turns reach)
+        reached = sm90_bwd_ws.laps_reached(turns, chains) if laps else turns
         if turns == 0:  # no kernel runs, or some block gets no turn: all of dQacc
             (frag if dq_fragments else dq_acc).zero_()
-        elif reached < chains:  # the copies not every block's turns reach
+        elif reached < chains:
             if dq_fragments:
-                frag.view(batch, heads, chains, blocks * tile_m, d)[:, :, reached:].zero_()
+                parts = frag.view(batch, heads, chains, blocks, tile_m * d).unbind(2)
             else:
-                dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, reached:].zero_()
+                parts = dq_acc.view(batch, chains, blocks, tile_m * heads * d).unbind(1)
+            for c in range(reached, chains):
+                # laps (no mask: all blocks alike): the copies of the laps without key blocks;
+                # else copy c of the blocks with c turns or fewer (causal: the first few).
+                by_block = DQ_ZERO_BY_BLOCK and not laps
+                zero_blocks(parts[c], per_block <= c if by_block else np.full(blocks, True))
     group = heads // kv_heads
     mha = group == 1
     # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;
@@ -1184,10 +1218,10 @@ def backward(
         dk = dk.view(batch, seqlen_k, kv_heads, group, d).sum(3)
         dv = dv.view(batch, seqlen_k, kv_heads, group, d_v).sum(3)
     scale = softmax_scale if dq_unscaled else None
-    if chains > 1 and dq_fragments:  # the copies' sum, in their order
-        frag = sum_copies(frag.view(batch, heads, chains, blocks * tile_m, d).unbind(2))
-    if dq_fragments:
-        dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale, tile_m)
+    if dq_fragments:  # (and the chains' copies summed, in their order)
+        if chains > 1 and not DQ_COPIES_IN_UNFRAGMENT:  # (by torch first)
+            frag, chains = sum_copies(frag.view(batch, heads, chains, blocks * tile_m, d).unbind(2)), 1
+        dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale, tile_m, chains)
     elif chains > 1:  # the copies' sum, in their order, cast
         copies = dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, :, :seqlen_q].unbind(1)
         if CAST_COPIES:

@@ -122,15 +122,6 @@ DKV_TMA_TILES: tuple[int, ...] = (64, 80, 128)
 # also delays the exponentials. 754 d128 GPU tests passed with each of the two new places. Read when
 # a kernel is built, like `DKV_TMA_TILES`.
 LSE_LOAD = "before_s"
-# At tile_m 128 (d64), where a thread's 32 LSE columns do not stay in registers and each is read
-# from sLSE where it is used: how many of the first columns are read before the S^T GEMM's issue
-# instead (0: none). Why (session 42): the ncu of the causal d64 backward against FA4's
-# (bench/results/2026-12-07-h100-v42/ncu42.md) put ~8.5 k of ours' 132 k stall samples on the
-# FFMAs S scale log2 e - LSE waiting for their LDS (short scoreboard; FA4 2.8 k in all FFMAs), the
-# largest at the first columns. Predicted +1-3% at d64. Built session 42, off, unmeasured:
-# `bwd_profile --d 64 --heads 32 --ab lse-ahead=0 lse-ahead=8 lse-ahead=16`. Read when a kernel is
-# built, like `LSE_LOAD`.
-LSE_AHEAD_TILE128 = 0
 # How many of a consumer thread's query columns take their exponentials before the wait for dP^T
 # ("all", "half", "quarter", "none"), without softcap. The other columns get S scale log2 e - LSE
 # log2 e (-inf where masked) before the wait, in place, and their exponentials after it, each
@@ -834,8 +825,6 @@ class BwdWsSm90(BwdSm90):
             lse_in_registers = not self.softcap and not self.dq_by_rows
             if const_expr(lse_in_registers and LSE_LOAD == "before_s"):
                 lse_log2 = self.load_rows(tScS, sLSE, q_state.index)
-            if const_expr(self.dq_by_rows and not self.softcap and LSE_AHEAD_TILE128 > 0):
-                lse_log2 = self.load_rows(tScS, sLSE, q_state.index, LSE_AHEAD_TILE128)
             gemm(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, q_state.index], zero_init=True, wg_wait=-1)
             if const_expr(lse_in_registers and LSE_LOAD == "after_s"):
                 lse_log2 = self.load_rows(tScS, sLSE, q_state.index)
@@ -951,11 +940,10 @@ class BwdWsSm90(BwdSm90):
         return cute.domain_offset((start, 0), mX[None, None, head, 0])
 
     @cute.jit
-    def load_rows(self, tScS, sRows, stage, count: int = 0):
-        """This thread's query columns' values (the first `count` of them, where not 0) from a stage
-        of sLSE or sD (the preprocess's: LSE log2 e is +inf past the end and for rows without keys,
-        so P = 0 there; D is 0 past the end)."""
-        cols = count or cute.size(tScS, mode=[1])
+    def load_rows(self, tScS, sRows, stage):
+        """This thread's query columns' values from a stage of sLSE or sD (the preprocess's: LSE
+        log2 e is +inf past the end and for rows without keys, so P = 0 there; D is 0 past the end)."""
+        cols = cute.size(tScS, mode=[1])
         values = cute.make_rmem_tensor((cols,), Float32)
         for c in cutlass.range_constexpr(cols):
             values[c] = sRows[tScS[0, c][1], stage]
@@ -969,8 +957,7 @@ class BwdWsSm90(BwdSm90):
         """P^T and dS^T in place of S^T and dP^T (waits for dP^T after P^T): P = exp2(S scale log2 e
         - LSE log2 e), 0 where masked; dS = P (dP - D). Columns are queries, rows keys. lse_log2:
         the columns' values in registers (`load_rows`), or None: each read from sLSE where it is
-        used, and D likewise (tile_m 128: 32 columns a thread, which held in registers spilled);
-        or the first columns' only (`LSE_AHEAD_TILE128`), the others and D read at their use."""
+        used, and D likewise (tile_m 128: 32 columns a thread, which held in registers spilled)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         acc_dP_mn = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
         cols = cute.size(acc_S_mn, mode=[1])
@@ -1008,7 +995,7 @@ class BwdWsSm90(BwdSm90):
         # D of the columns, read while dP^T may still run (not beside the LSE: fewer registers
         # live across the GEMMs' issue).
         dsum = None
-        if const_expr(lse_log2 is not None and cute.size(lse_log2) == cols):
+        if const_expr(lse_log2 is not None):
             dsum = self.load_rows(tScS, sD, do_stage)
         warpgroup.wait_group(0)  # dP^T done
         for c in cutlass.range_constexpr(cols):
@@ -1026,8 +1013,8 @@ class BwdWsSm90(BwdSm90):
 
     def column_value(self, values, sRows, tScS, stage, c: int):
         """Column c's LSE log2 e or D: from `values` (registers, `load_rows`) or, where that is
-        None or holds only the columns before c, from its stage of sRows (shared memory)."""
-        if const_expr(values is not None and c < cute.size(values)):
+        None, from its stage of sRows (shared memory)."""
+        if const_expr(values is not None):
             return values[c]
         return sRows[tScS[0, c][1], stage]
 
