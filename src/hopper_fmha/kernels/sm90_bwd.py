@@ -769,9 +769,9 @@ def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: in
 # 43, `scripts/bwd_breakdown.py`, H100, B4 N4096 H8 bf16 d256 causal, us per backward): plain 1801,
 # deterministic 2156, of which 149 torch's strided sum of the two copies and 80 its zero fill of
 # copy 1 (`fewest_turns` 1: query block 0 sees one key block, the others 2 or more); the main
-# kernels under ncu 1.80 / 1.63 ms (90.6%), so ~10 of the preset's 82% are these host passes.
+# kernels under ncu 1.80 / 1.63 ms (90.6%), against 83.5% end to end: ~7 points are these host passes.
 # Predicted 2156 -> ~1970 us, deterministic d256 causal 82% -> ~91% of plain (non-causal: the sum
-# only). Built session 43, CPU only (host tests with torch stand-ins; SASS: 2 x 16 LDG.128 per
+# only). Built session 43, CPU only (host tests with torch stand-ins; SASS: 2 x 32 LDG.128 per
 # thread at d256, no stack, 82 registers; copies = 1 unchanged): off until `gpu_pending.sh 50`
 # has A/B'd and tested it. Read at each call.
 DQ_COPIES_IN_UNFRAGMENT = False
