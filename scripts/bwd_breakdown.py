@@ -24,16 +24,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--on", nargs="*", default=[], help="sm90_bwd switches set True")
-    parser.add_argument("--off", nargs="*", default=[], help="sm90_bwd switches set False")
+    parser.add_argument("--set", default=None, help="switches as one of bwd_profile's --ab settings")
     args = parser.parse_args()
-    from hopper_fmha.kernels import sm90_bwd
+    if args.set:
+        from bwd_profile import parse_setting  # (this script's folder is on sys.path)
 
-    for names, value in ((args.on, True), (args.off, False)):
-        for name in names:
-            if not isinstance(getattr(sm90_bwd, name, None), bool):
-                raise SystemExit(f"sm90_bwd.{name} is not an on/off switch")
-            setattr(sm90_bwd, name, value)
+        for module, name, value in parse_setting(args.set):
+            setattr(module, name, value)
     torch.manual_seed(0)
     shape = (args.batch, args.seqlen, args.heads, args.d)
     dtype = getattr(torch, args.dtype)

@@ -109,8 +109,8 @@ if [ "$part" = 51 ]; then
 fi
 
 if [ "$part" = 50 ]; then
-    both="DQ_COPIES_IN_UNFRAGMENT DQ_ZERO_BY_BLOCK"
-    python scripts/bwd_breakdown.py --d 256 --heads 8 --causal --on $both 2>&1 | grep -v Warn | tee -a "$OUT/breakdown50.txt"
+    both=copies-in-unfragment=on,zero-by-block=on
+    python scripts/bwd_breakdown.py --d 256 --heads 8 --causal --set $both 2>&1 | grep -v Warn | tee -a "$OUT/breakdown50.txt"
     for c in --causal ""; do
         timeout 90 python scripts/bwd_profile.py --d 256 --heads 8 $c --deterministic --versions 2 --rounds 8 \
             --ab copies-in-unfragment=off,zero-by-block=off copies-in-unfragment=on,zero-by-block=on \

@@ -475,8 +475,8 @@ def test_dq_store_first_masked(
     # (`sm90_bwd.block_turns`), zeroes copy c of the blocks with c turns or fewer otherwise
     # (session 43, `DQ_ZERO_BY_BLOCK`: only those blocks; else the whole copy), all of it where
     # some block gets none.
-    # torch.empty gives NaN here; the stand-in stores per block as the kernel. With `block_turns`
-    # overstated, the unwritten blocks show: the check can fail.
+    # torch.empty gives NaN here; the stand-in stores per block as the kernel. With the turns
+    # overstated (`key_blocks_seen`, under both), the unwritten blocks show: the check can fail.
     monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST", True)
     monkeypatch.setattr(sm90_bwd_ws, "DQ_STORE_FIRST_MASKED", True)
     monkeypatch.setattr(sm90_bwd, "DQ_CHAINS", {(128, 128): chains})
@@ -506,8 +506,8 @@ def test_dq_store_first_masked(
     expected_zeroed = [[t <= c or not by_block for t in turns] for c in range(fewest, chains)]
     assert zeroed == (expected_zeroed if fewest else [])
     if fewest < chains:  # overstated: some block's copy is left as torch.empty left it
-        more = sm90_bwd.block_turns
-        monkeypatch.setattr(sm90_bwd, "block_turns", lambda *args: more(*args) + chains)
+        seen = sm90_bwd.key_blocks_seen
+        monkeypatch.setattr(sm90_bwd, "key_blocks_seen", lambda *args: seen(*args) + chains)
         grads = sm90_bwd.backward(q, k, v, out, dout, lse, scale, causal, **call)
         assert grads[0].isnan().any()
 

@@ -731,19 +731,21 @@ def dq_from_fragments(buf, seqlen_q: int, dtype, scale: float | None, tile_m: in
     (b, h, copies * blocks * tile_m, d) (`fragment_dims`; copies > 1: `DQ_CHAINS`' copies, one
     after another, summed in order), times `scale` where given: one elementwise pass (fp32 math,
     one rounding) from a permuted view of `buf` into dQ's whole blocks, and the last, partial
-    block through a one-block buffer; or `dq_unfragment`'s kernel, which adds the copies too."""
+    block through a one-block buffer; or `dq_unfragment`'s kernel, which adds the copies too
+    where `DQ_COPIES_IN_UNFRAGMENT` says (else torch's `sum_copies` first)."""
     import torch
 
     b, h, rows, d = buf.shape
     assert rows % copies == 0
+    kernel = False
     if DQ_UNFRAGMENT_KERNEL and buf.is_contiguous():
         from .dq_unfragment import supports, unfragment_dq
 
-        if supports(tile_m, d):
-            return unfragment_dq(buf, seqlen_q, dtype, scale, tile_m, copies)
-    if copies > 1:  # the copies' sum, in their order
-        buf = sum_copies(buf.view(b, h, copies, rows // copies, d).unbind(2))
-        rows //= copies
+        kernel = supports(tile_m, d)
+    if copies > 1 and not (kernel and DQ_COPIES_IN_UNFRAGMENT):  # torch's sum, in their order
+        buf, rows, copies = sum_copies(buf.view(b, h, copies, rows // copies, d).unbind(2)), rows // copies, 1
+    if kernel:
+        return unfragment_dq(buf, seqlen_q, dtype, scale, tile_m, copies)
     assert rows % tile_m == 0 and rows - tile_m < seqlen_q <= rows
     j, query_dims, d_dims, perm = fragment_dims(tile_m, d)
     src = buf.view(b, h, rows // tile_m, 2, j, 4, 8, 4, 2, 2).permute(*perm)
@@ -918,24 +920,42 @@ def keys_per_cta(head_dim: int, head_dim_v: int) -> int:
     return SHAPES[head_dim, head_dim_v].tile_n
 
 
-def block_turns(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, left: int, right: int):
-    """How many key blocks of tile_n keys each query block of tile_m rows visits (the forward's
-    rule, `Mask.block_range_local`, with `emulate.block_range`'s sides: -1 no limit, causal
-    right = 0): its deterministic turns. An int64 array, one entry per query block, none of them
-    below 0 (0: the block's rows see no key; all 0 without keys)."""
-    blocks, num_n = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
-    first = np.arange(blocks, dtype=np.int64) * tile_m + seqlen_k - seqlen_q  # (first rows' diagonals)
+def key_blocks_seen(m, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, left: int, right: int):
+    """How many key blocks of tile_n keys query block m (an int or an int64 array) of tile_m rows
+    visits, the forward's rule (`Mask.block_range_local`) with `emulate.block_range`'s sides (-1
+    no limit, causal right = 0): [n_min, n_max)'s length, below 0 where its rows see no key."""
+    num_n = -(-seqlen_k // tile_n)
+    first = m * tile_m + seqlen_k - seqlen_q  # (the block's first row's diagonal)
     n_max = num_n if right < 0 else np.minimum(num_n, -(-np.maximum(first + tile_m + right, 0) // tile_n))
     n_min = 0 if left < 0 else np.maximum(first - left, 0) // tile_n
-    return np.maximum(n_max - n_min, 0) + np.zeros(blocks, dtype=np.int64)
+    return n_max - n_min
+
+
+def block_turns(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, left: int, right: int):
+    """Each query block's deterministic turns (`key_blocks_seen`, 0 where its rows see no key):
+    an int64 array, one entry per query block."""
+    blocks = -(-seqlen_q // tile_m)
+    seen = key_blocks_seen(np.arange(blocks, dtype=np.int64), seqlen_q, seqlen_k, tile_m, tile_n, left, right)
+    return np.broadcast_to(np.maximum(seen, 0), (blocks,))
 
 
 def fewest_turns(seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, left: int, right: int) -> int:
-    """The fewest key blocks that any query block visits (`block_turns`): every block of dQacc
-    gets at least this many deterministic turns. 0 when some block's rows see no key, or there
-    are no keys (no kernel runs) or no query blocks."""
-    turns = block_turns(seqlen_q, seqlen_k, tile_m, tile_n, left, right)
-    return int(turns.min()) if turns.size else 0
+    """The fewest key blocks that any query block visits (`key_blocks_seen`): every block of
+    dQacc gets at least this many deterministic turns. 0 when some block's rows see no key, or
+    there are no keys (no kernel runs) or no query blocks."""
+    blocks, num_n = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    if blocks == 0 or num_n == 0:
+        return 0
+    dims = (seqlen_q, seqlen_k, tile_m, tile_n, left, right)
+    # n_min and n_max never fall as m grows: without a left limit (n_min 0) block 0 sees the
+    # fewest, without a right one (n_max all) the last block; with both, any block may.
+    if left < 0:
+        fewest = key_blocks_seen(0, *dims)
+    elif right < 0:
+        fewest = key_blocks_seen(blocks - 1, *dims)
+    else:
+        fewest = block_turns(*dims).min()
+    return int(max(fewest, 0))
 
 
 def zero_blocks(copy, which) -> None:
@@ -1168,22 +1188,21 @@ def backward(
     if stored:
         # Each query block's turns: the key blocks its rows see (masked), else all of them.
         sides = (left, 0 if causal else right) if masked else (-1, -1)
-        per_block = block_turns(seqlen_q, seqlen_k, tile_m, keys_per_cta(d, d_v), *sides)
-        turns = int(per_block.min()) if per_block.size else 0
-        # (the copies that every block's turns reach)
-        reached = sm90_bwd_ws.laps_reached(turns, chains) if laps else turns
+        turn_dims = (seqlen_q, seqlen_k, tile_m, keys_per_cta(d, d_v), *sides)
+        turns = fewest_turns(*turn_dims)
+        reached = sm90_bwd_ws.laps_reached(turns, chains) if laps else turns  # (copies with a turn)
         if turns == 0:  # no kernel runs, or some block gets no turn: all of dQacc
             (frag if dq_fragments else dq_acc).zero_()
-        elif reached < chains:
+        elif reached < chains:  # the copies not every block's turns reach
             if dq_fragments:
                 parts = frag.view(batch, heads, chains, blocks, tile_m * d).unbind(2)
             else:
                 parts = dq_acc.view(batch, chains, blocks, tile_m * heads * d).unbind(1)
+            # laps (no mask: all blocks alike): the copies of the laps without key blocks, whole;
+            # else (DQ_ZERO_BY_BLOCK) copy c of the blocks with c turns or fewer (causal: the first).
+            per_block = block_turns(*turn_dims) if DQ_ZERO_BY_BLOCK and not laps else None
             for c in range(reached, chains):
-                # laps (no mask: all blocks alike): the copies of the laps without key blocks;
-                # else copy c of the blocks with c turns or fewer (causal: the first few).
-                by_block = DQ_ZERO_BY_BLOCK and not laps
-                zero_blocks(parts[c], per_block <= c if by_block else np.full(blocks, True))
+                zero_blocks(parts[c], np.full(blocks, True) if per_block is None else per_block <= c)
     group = heads // kv_heads
     mha = group == 1
     # GQA: v2 adds a group's dK, dV into fp32 sums per kv head (zeroed), unless deterministic;
@@ -1219,8 +1238,6 @@ def backward(
         dv = dv.view(batch, seqlen_k, kv_heads, group, d_v).sum(3)
     scale = softmax_scale if dq_unscaled else None
     if dq_fragments:  # (and the chains' copies summed, in their order)
-        if chains > 1 and not DQ_COPIES_IN_UNFRAGMENT:  # (by torch first)
-            frag, chains = sum_copies(frag.view(batch, heads, chains, blocks * tile_m, d).unbind(2)), 1
         dq = dq_from_fragments(frag, seqlen_q, q.dtype, scale, tile_m, chains)
     elif chains > 1:  # the copies' sum, in their order, cast
         copies = dq_acc.view(batch, chains, blocks * tile_m, heads, d)[:, :, :seqlen_q].unbind(1)
